@@ -1,0 +1,62 @@
+"""System checks with stable ids; tests compare against the message constants."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from django.core import checks
+from django.db import connections
+
+from .conf import app_settings
+
+E001_MSG = "workflow_delivery needs PostgreSQL: database {alias!r} uses the {vendor!r} backend."
+E001_HINT = "Point this database at PostgreSQL 13 or newer (django.db.backends.postgresql)."
+E002_MSG = "WORKFLOW_DELIVERY_{name} must be a positive whole number, got {value!r}."
+E003_MSG = (
+    "WORKFLOW_DELIVERY_DEFAULT_LEASE_SECONDS ({default}) exceeds "
+    "WORKFLOW_DELIVERY_MAX_LEASE_SECONDS ({maximum})."
+)
+E004_MSG = "WORKFLOW_DELIVERY_REAP_INTERVAL_SECONDS must be a positive number, got {value!r}."
+
+
+def _positive_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
+
+
+@checks.register(checks.Tags.compatibility)
+def check_postgresql(app_configs: Any = None, **kwargs: Any) -> list:
+    # The backend's vendor is known without connecting, so this runs on every check.
+    errors = []
+    for alias in connections:
+        vendor = connections[alias].vendor
+        if vendor != "postgresql":
+            errors.append(
+                checks.Error(
+                    E001_MSG.format(alias=alias, vendor=vendor),
+                    hint=E001_HINT,
+                    id="workflow_delivery.E001",
+                )
+            )
+    return errors
+
+
+@checks.register()
+def check_settings(app_configs: Any = None, **kwargs: Any) -> list:
+    errors = []
+    for name in ("DEFAULT_LEASE_SECONDS", "MAX_LEASE_SECONDS", "REAP_BATCH_SIZE"):
+        value = getattr(app_settings, name)
+        if not _positive_int(value):
+            errors.append(
+                checks.Error(E002_MSG.format(name=name, value=value), id="workflow_delivery.E002")
+            )
+    default, maximum = app_settings.DEFAULT_LEASE_SECONDS, app_settings.MAX_LEASE_SECONDS
+    if _positive_int(default) and _positive_int(maximum) and default > maximum:
+        errors.append(
+            checks.Error(
+                E003_MSG.format(default=default, maximum=maximum), id="workflow_delivery.E003"
+            )
+        )
+    interval = app_settings.REAP_INTERVAL_SECONDS
+    if isinstance(interval, bool) or not isinstance(interval, int | float) or interval <= 0:
+        errors.append(checks.Error(E004_MSG.format(value=interval), id="workflow_delivery.E004"))
+    return errors

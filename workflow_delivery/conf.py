@@ -1,0 +1,26 @@
+"""The app's settings, prefixed ``WORKFLOW_DELIVERY_`` and read on every access."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from django.conf import settings
+
+DEFAULTS: dict[str, Any] = {
+    "DEFAULT_LEASE_SECONDS": 60,
+    "MAX_LEASE_SECONDS": 605200,
+    "REAP_BATCH_SIZE": 500,
+    "REAP_INTERVAL_SECONDS": 5.0,
+}
+
+
+class AppSettings:
+    prefix = "WORKFLOW_DELIVERY_"
+
+    def __getattr__(self, name: str) -> Any:
+        if name not in DEFAULTS:
+            raise AttributeError(name)
+        return getattr(settings, self.prefix + name, DEFAULTS[name])
+
+
+app_settings = AppSettings()

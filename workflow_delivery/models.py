@@ -1,0 +1,294 @@
+"""Tables of the delivery inbox and the tenant schema around it.
+
+Every constraint has an explicit ``wd_`` name. The composite, tenant-scoped
+foreign keys and the write-fence triggers cannot be said by the ORM: they live
+in the migrations as reviewed SQL, so every relation field here is declared
+with ``db_constraint=False`` and ``on_delete=DO_NOTHING`` (PostgreSQL decides).
+"""
+
+from __future__ import annotations
+
+import uuid
+
+from django.contrib.postgres.functions import TransactionNow
+from django.db import models
+from django.db.models import Q
+from django.db.models.functions import Length, Lower
+from django.db.models.lookups import Exact, GreaterThanOrEqual, LessThanOrEqual
+
+from .protocol import CauseKind, DeliveryStatus
+
+NIL_UUID = uuid.UUID(int=0)
+CAUSE_KINDS = [kind.value for kind in CauseKind]
+STATUSES = [status.value for status in DeliveryStatus]
+PENDING, CLAIMED = DeliveryStatus.PENDING.value, DeliveryStatus.CLAIMED.value
+TERMINAL_STATUSES = [DeliveryStatus.FINISHED.value, DeliveryStatus.FAILED.value]
+
+
+def _bytes32(field: str, name: str) -> models.CheckConstraint:
+    return models.CheckConstraint(condition=Exact(Length(field), 32), name=name)
+
+
+def _tenant_fk(to: str, **kwargs) -> models.ForeignKey:
+    return models.ForeignKey(
+        to, on_delete=models.DO_NOTHING, db_constraint=False, db_index=False, **kwargs
+    )
+
+
+class DeletionState(models.TextChoices):
+    ACTIVE = "active"
+    QUIESCING = "quiescing"
+    FENCED = "fenced"
+    TOMBSTONE = "tombstone"
+
+
+class Community(models.Model):
+    id = models.UUIDField(primary_key=True, default=uuid.uuid4, editable=False)
+    host = models.TextField()
+    deletion_state = models.TextField(
+        choices=DeletionState.choices, default=DeletionState.ACTIVE, db_default="active"
+    )
+    deletion_fence_generation = models.BigIntegerField(default=0, db_default=0)
+    deleted_at = models.DateTimeField(null=True, blank=True)
+    created_at = models.DateTimeField(db_default=TransactionNow(), editable=False)
+
+    class Meta:
+        db_table = "communities"
+        verbose_name_plural = "communities"
+        ordering = ["host"]
+        constraints = [
+            models.CheckConstraint(condition=~Q(id=NIL_UUID), name="wd_community_id_not_nil"),
+            models.CheckConstraint(
+                condition=Q(host__regex=r"\S"), name="wd_community_host_not_blank"
+            ),
+            models.UniqueConstraint(Lower("host"), name="wd_community_host_ci_key"),
+            models.CheckConstraint(
+                condition=Q(deletion_state__in=DeletionState.values),
+                name="wd_community_deletion_state_valid",
+            ),
+            models.CheckConstraint(
+                condition=Q(deletion_fence_generation__gte=0),
+                name="wd_community_fence_generation_nonneg",
+            ),
+        ]
+
+    def __str__(self) -> str:
+        return self.host
+
+
+class WorkflowStatus(models.TextChoices):
+    ACTIVE = "active"
+    DISABLED = "disabled"
+    ARCHIVED = "archived"
+
+
+class Workflow(models.Model):
+    id = models.UUIDField(primary_key=True, default=uuid.uuid4, editable=False)
+    community = _tenant_fk(Community, related_name="workflows")
+    name = models.TextField()
+    owner_pubkey = models.BinaryField()
+    definition = models.JSONField(default=dict)
+    definition_event_id = models.BinaryField(null=True, blank=True)
+    status = models.TextField(
+        choices=WorkflowStatus.choices, default=WorkflowStatus.ACTIVE, db_default="active"
+    )
+    created_at = models.DateTimeField(db_default=TransactionNow(), editable=False)
+    updated_at = models.DateTimeField(db_default=TransactionNow())
+
+    class Meta:
+        db_table = "workflows"
+        ordering = ["community_id", "name"]
+        constraints = [
+            models.UniqueConstraint(fields=["community", "id"], name="wd_workflow_tenant_key"),
+            models.CheckConstraint(
+                condition=Q(name__regex=r"\S"), name="wd_workflow_name_not_blank"
+            ),
+            _bytes32("owner_pubkey", "wd_workflow_owner_pubkey_32_bytes"),
+            _bytes32("definition_event_id", "wd_workflow_definition_event_id_32_bytes"),
+            models.CheckConstraint(
+                condition=Q(status__in=WorkflowStatus.values), name="wd_workflow_status_valid"
+            ),
+        ]
+
+    def __str__(self) -> str:
+        return self.name
+
+
+class RunStatus(models.TextChoices):
+    PENDING = "pending"
+    RUNNING = "running"
+    WAITING_APPROVAL = "waiting_approval"
+    COMPLETED = "completed"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+
+
+class WorkflowRun(models.Model):
+    id = models.UUIDField(primary_key=True, default=uuid.uuid4, editable=False)
+    community = _tenant_fk(Community, related_name="workflow_runs")
+    workflow = _tenant_fk(Workflow, related_name="runs")
+    status = models.TextField(
+        choices=RunStatus.choices, default=RunStatus.PENDING, db_default="pending"
+    )
+    definition_event_id = models.BinaryField(null=True, blank=True)
+    created_at = models.DateTimeField(db_default=TransactionNow(), editable=False)
+    updated_at = models.DateTimeField(db_default=TransactionNow())
+
+    class Meta:
+        db_table = "workflow_runs"
+        ordering = ["-created_at"]
+        constraints = [
+            models.UniqueConstraint(fields=["community", "id"], name="wd_run_tenant_key"),
+            models.UniqueConstraint(
+                fields=["community", "workflow", "id"], name="wd_run_tenant_workflow_key"
+            ),
+            models.CheckConstraint(
+                condition=Q(status__in=RunStatus.values), name="wd_run_status_valid"
+            ),
+            _bytes32("definition_event_id", "wd_run_definition_event_id_32_bytes"),
+        ]
+        indexes = [models.Index(fields=["community", "workflow"], name="wd_run_workflow_idx")]
+
+    def __str__(self) -> str:
+        return str(self.id)
+
+
+class Event(models.Model):
+    """A signed message. ``id`` is its 32-byte event id; references use
+    ``(community_id, created_at, id)`` as the original system partitions events by time."""
+
+    id = models.BinaryField(primary_key=True)
+    community = _tenant_fk(Community, related_name="events")
+    created_at = models.DateTimeField()
+    kind = models.IntegerField()
+    pubkey = models.BinaryField()
+    content = models.TextField(blank=True, default="")
+    tags = models.JSONField(default=list)
+
+    class Meta:
+        db_table = "events"
+        ordering = ["-created_at"]
+        constraints = [
+            models.UniqueConstraint(
+                fields=["community", "created_at", "id"], name="wd_event_tenant_key"
+            ),
+            _bytes32("id", "wd_event_id_32_bytes"),
+            _bytes32("pubkey", "wd_event_pubkey_32_bytes"),
+            models.CheckConstraint(condition=Q(kind__gte=0), name="wd_event_kind_nonneg"),
+        ]
+
+    def __str__(self) -> str:
+        return bytes(self.id).hex()
+
+
+class WorkflowAgentDelivery(models.Model):
+    """One canonical delivery of a workflow message to one target agent."""
+
+    id = models.UUIDField(primary_key=True, editable=False)
+    community = _tenant_fk(Community, related_name="deliveries")
+    workflow = _tenant_fk(Workflow, related_name="deliveries")
+    run = _tenant_fk(WorkflowRun, related_name="deliveries")
+    step_id = models.TextField()
+    target_pubkey = models.BinaryField()
+    definition_event_id = models.BinaryField()
+    message_event = _tenant_fk(Event, related_name="deliveries")
+    message_event_created_at = models.DateTimeField()
+    cause_kind = models.TextField(choices=[(kind, kind) for kind in CAUSE_KINDS])
+    cause_event_id = models.BinaryField(null=True, blank=True)
+    cause_scheduled_for = models.DateTimeField(null=True, blank=True)
+    cause_webhook_invocation_id = models.UUIDField(null=True, blank=True)
+    status = models.TextField(
+        choices=[(status, status) for status in STATUSES], default=PENDING, db_default=PENDING
+    )
+    lease_generation = models.BigIntegerField(default=0, db_default=0)
+    lease_until = models.DateTimeField(null=True, blank=True)
+    claimed_at = models.DateTimeField(null=True, blank=True)
+    finished_at = models.DateTimeField(null=True, blank=True)
+    created_at = models.DateTimeField(db_default=TransactionNow(), editable=False)
+
+    class Meta:
+        db_table = "workflow_agent_deliveries"
+        verbose_name = "workflow agent delivery"
+        verbose_name_plural = "workflow agent deliveries"
+        ordering = ["-created_at", "id"]
+        constraints = [
+            models.UniqueConstraint(fields=["community", "id"], name="wd_delivery_tenant_key"),
+            models.UniqueConstraint(
+                fields=["community", "run", "step_id", "target_pubkey"],
+                name="wd_delivery_identity_key",
+            ),
+            models.CheckConstraint(
+                condition=GreaterThanOrEqual(Length("step_id"), 1)
+                & LessThanOrEqual(Length("step_id"), 64)
+                & Q(step_id__regex=r"\S"),
+                name="wd_delivery_step_id_valid",
+            ),
+            _bytes32("target_pubkey", "wd_delivery_target_pubkey_32_bytes"),
+            _bytes32("definition_event_id", "wd_delivery_definition_event_id_32_bytes"),
+            _bytes32("message_event_id", "wd_delivery_message_event_id_32_bytes"),
+            _bytes32("cause_event_id", "wd_delivery_cause_event_id_32_bytes"),
+            models.CheckConstraint(
+                condition=Q(cause_kind__in=CAUSE_KINDS)
+                & (
+                    Q(
+                        cause_kind=CauseKind.EVENT.value,
+                        cause_event_id__isnull=False,
+                        cause_scheduled_for__isnull=True,
+                        cause_webhook_invocation_id__isnull=True,
+                    )
+                    | Q(
+                        cause_kind=CauseKind.SCHEDULE.value,
+                        cause_event_id__isnull=True,
+                        cause_scheduled_for__isnull=False,
+                        cause_webhook_invocation_id__isnull=True,
+                    )
+                    | Q(
+                        cause_kind=CauseKind.WEBHOOK.value,
+                        cause_event_id__isnull=True,
+                        cause_scheduled_for__isnull=True,
+                        cause_webhook_invocation_id__isnull=False,
+                    )
+                ),
+                name="wd_delivery_cause_exactly_one",
+            ),
+            models.CheckConstraint(
+                condition=Q(status__in=STATUSES), name="wd_delivery_status_valid"
+            ),
+            models.CheckConstraint(
+                condition=Q(lease_generation__gte=0), name="wd_delivery_lease_generation_nonneg"
+            ),
+            models.CheckConstraint(
+                condition=Q(
+                    status=CLAIMED,
+                    lease_until__isnull=False,
+                    claimed_at__isnull=False,
+                )
+                | (~Q(status=CLAIMED) & Q(lease_until__isnull=True, claimed_at__isnull=True)),
+                name="wd_delivery_lease_iff_claimed",
+            ),
+            models.CheckConstraint(
+                condition=Q(status__in=TERMINAL_STATUSES, finished_at__isnull=False)
+                | (~Q(status__in=TERMINAL_STATUSES) & Q(finished_at__isnull=True)),
+                name="wd_delivery_finished_at_iff_terminal",
+            ),
+        ]
+        indexes = [
+            models.Index(
+                fields=["community", "target_pubkey", "created_at"],
+                condition=Q(status=PENDING),
+                name="wd_delivery_claim_idx",
+            ),
+            models.Index(
+                fields=["lease_until"],
+                condition=Q(status=CLAIMED),
+                name="wd_delivery_reap_idx",
+            ),
+            models.Index(fields=["community", "workflow"], name="wd_delivery_workflow_idx"),
+            models.Index(
+                fields=["community", "message_event_created_at", "message_event"],
+                name="wd_delivery_message_idx",
+            ),
+        ]
+
+    def __str__(self) -> str:
+        return str(self.id)
