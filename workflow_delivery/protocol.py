@@ -1,0 +1,404 @@
+"""The delivery vocabulary: binding, causes, lease, record, results, message targets, wake hint.
+
+Pure values, no I/O. Constructors and parsers validate their input and raise ``ProtocolError``
+naming the offending field; no other exception escapes for bad input of any type.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from enum import StrEnum
+from typing import TypeAlias
+from uuid import UUID
+
+from .exceptions import ProtocolError
+
+__all__ = [
+    "MESSAGE_KIND",
+    "MESSAGE_V1_MARKER",
+    "STEP_ID_MAX_LENGTH",
+    "WAKE_HINT_KIND",
+    "AlreadyTerminal",
+    "Cause",
+    "CauseKind",
+    "DeliveryBinding",
+    "DeliveryRecord",
+    "DeliveryStatus",
+    "EventCause",
+    "FinishResult",
+    "Lease",
+    "LeaseLost",
+    "NewDelivery",
+    "Outcome",
+    "ProtocolError",
+    "RenewResult",
+    "Renewed",
+    "ScheduleCause",
+    "Settled",
+    "Tags",
+    "WakeHint",
+    "WebhookCause",
+    "as_bytes32",
+    "as_datetime",
+    "as_step_id",
+    "as_uuid",
+    "message_v1_targets",
+]
+
+MESSAGE_KIND = 9
+WAKE_HINT_KIND = 24620
+MESSAGE_V1_MARKER = "message-v1"
+STEP_ID_MAX_LENGTH = 64
+
+Tags: TypeAlias = list[list[str]]
+
+_HEX32 = re.compile(r"[0-9a-f]{64}")
+
+
+def _uuid(field: str, value: object) -> UUID:
+    """A ``UUID``, or its canonical lowercase hyphenated string, as a ``UUID``."""
+    if isinstance(value, UUID):
+        return UUID(int=value.int)
+    if isinstance(value, str) and len(value) == 36:
+        try:
+            parsed = UUID(value)
+        except ValueError:
+            pass
+        else:
+            if str(parsed) == value:
+                return parsed
+    raise ProtocolError(field, "must be a UUID or its canonical lowercase string")
+
+
+def _bytes32(field: str, value: object) -> bytes:
+    """Exactly 32 bytes from a bytes-like value."""
+    if not isinstance(value, bytes | bytearray | memoryview):
+        raise ProtocolError(field, "must be bytes")
+    try:
+        data = bytes(value)
+    except ValueError as exc:
+        raise ProtocolError(field, "must be readable bytes") from exc
+    if len(data) != 32:
+        raise ProtocolError(field, f"must be exactly 32 bytes, not {len(data)}")
+    return data
+
+
+def _hex32(field: str, value: object) -> bytes:
+    """Exactly 32 bytes from 64 lowercase hex characters."""
+    if not isinstance(value, str) or len(value) != 64 or not _HEX32.fullmatch(value):
+        raise ProtocolError(field, "must be 64 lowercase hex characters")
+    return bytes.fromhex(value)
+
+
+def _kind(expected: int, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value != expected:
+        raise ProtocolError("kind", f"must be {expected}")
+
+
+def _tags(value: object) -> Tags:
+    if not isinstance(value, list) or not all(
+        isinstance(tag, list) and all(isinstance(item, str) for item in tag) for tag in value
+    ):
+        raise ProtocolError("tags", "must be a list of lists of strings")
+    return value
+
+
+def _step_id(value: object) -> str:
+    if not isinstance(value, str):
+        raise ProtocolError("step_id", "must be a string")
+    if not 1 <= len(value) <= STEP_ID_MAX_LENGTH:
+        raise ProtocolError("step_id", f"must be 1 to {STEP_ID_MAX_LENGTH} characters")
+    if value.isspace():
+        raise ProtocolError("step_id", "must not be blank")
+    if "\x00" in value:
+        raise ProtocolError("step_id", "must not contain NUL")
+    try:
+        value.encode()
+    except UnicodeEncodeError as exc:
+        raise ProtocolError("step_id", "must be encodable as UTF-8") from exc
+    return value
+
+
+def _utc_whole_seconds(field: str, value: object) -> datetime:
+    """A timezone-aware datetime with no fraction of a second, in UTC."""
+    if not isinstance(value, datetime):
+        raise ProtocolError(field, "must be a datetime")
+    try:
+        instant = value.astimezone(UTC) if value.utcoffset() is not None else None
+    except (OverflowError, TypeError, ValueError) as exc:
+        raise ProtocolError(field, "must be a representable instant") from exc
+    if instant is None:
+        raise ProtocolError(field, "must be timezone-aware")
+    if instant.microsecond:
+        raise ProtocolError(field, "must be whole seconds")
+    return instant
+
+
+class CauseKind(StrEnum):
+    EVENT = "event"
+    SCHEDULE = "schedule"
+    WEBHOOK = "webhook"
+
+
+@dataclass(frozen=True, slots=True)
+class EventCause:
+    """The delivery was caused by an event (its 32-byte id)."""
+
+    event_id: bytes
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "event_id", _bytes32("event_id", self.event_id))
+
+    @property
+    def kind(self) -> CauseKind:
+        return CauseKind.EVENT
+
+
+@dataclass(frozen=True, slots=True)
+class ScheduleCause:
+    """The delivery was caused by a schedule firing for a whole-second instant (held in UTC)."""
+
+    scheduled_for: datetime
+
+    def __post_init__(self) -> None:
+        instant = _utc_whole_seconds("scheduled_for", self.scheduled_for)
+        object.__setattr__(self, "scheduled_for", instant)
+
+    @property
+    def kind(self) -> CauseKind:
+        return CauseKind.SCHEDULE
+
+
+@dataclass(frozen=True, slots=True)
+class WebhookCause:
+    """The delivery was caused by a webhook invocation: an opaque id, never its payload."""
+
+    invocation_id: UUID
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "invocation_id", _uuid("invocation_id", self.invocation_id))
+
+    @property
+    def kind(self) -> CauseKind:
+        return CauseKind.WEBHOOK
+
+
+Cause: TypeAlias = EventCause | ScheduleCause | WebhookCause
+
+
+class DeliveryStatus(StrEnum):
+    PENDING = "pending"
+    CLAIMED = "claimed"
+    FINISHED = "finished"
+    FAILED = "failed"
+
+    @property
+    def is_terminal(self) -> bool:
+        return self in (DeliveryStatus.FINISHED, DeliveryStatus.FAILED)
+
+
+class Outcome(StrEnum):
+    FINISHED = "finished"
+    FAILED = "failed"
+
+
+@dataclass(frozen=True, slots=True)
+class DeliveryBinding:
+    """What one delivery is bound to: tenant, workflow run step, target, definition, message, cause.
+
+    Equality covers every field, the cause included; a claim with an expected binding must match
+    all of it.
+    """
+
+    community_id: UUID
+    workflow_id: UUID
+    run_id: UUID
+    step_id: str
+    target_pubkey: bytes
+    definition_event_id: bytes
+    message_event_id: bytes
+    cause: Cause
+
+    def __post_init__(self) -> None:
+        community_id = _uuid("community_id", self.community_id)
+        if community_id.int == 0:
+            raise ProtocolError("community_id", "must not be the nil UUID")
+        object.__setattr__(self, "community_id", community_id)
+        object.__setattr__(self, "workflow_id", _uuid("workflow_id", self.workflow_id))
+        object.__setattr__(self, "run_id", _uuid("run_id", self.run_id))
+        object.__setattr__(self, "step_id", _step_id(self.step_id))
+        object.__setattr__(self, "target_pubkey", _bytes32("target_pubkey", self.target_pubkey))
+        object.__setattr__(
+            self, "definition_event_id", _bytes32("definition_event_id", self.definition_event_id)
+        )
+        object.__setattr__(
+            self, "message_event_id", _bytes32("message_event_id", self.message_event_id)
+        )
+        if not isinstance(self.cause, EventCause | ScheduleCause | WebhookCause):
+            raise ProtocolError("cause", "must be an EventCause, ScheduleCause or WebhookCause")
+
+    def validate_message_event(self, kind: int, event_id: bytes, tags: Tags) -> None:
+        """Check that an event is this binding's kind-9 message and names its target."""
+        _kind(MESSAGE_KIND, kind)
+        if _bytes32("event_id", event_id) != self.message_event_id:
+            raise ProtocolError("event_id", "is not the binding's message event")
+        if self.target_pubkey not in message_v1_targets(kind, tags):
+            raise ProtocolError("target_pubkey", "is not a message-v1 target of the message")
+
+
+@dataclass(frozen=True, slots=True)
+class NewDelivery:
+    """A delivery the producer is about to commit, under an id it chose."""
+
+    id: UUID
+    binding: DeliveryBinding
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "id", _uuid("id", self.id))
+        if not isinstance(self.binding, DeliveryBinding):
+            raise ProtocolError("binding", "must be a DeliveryBinding")
+
+
+@dataclass(frozen=True, slots=True)
+class Lease:
+    """The capability to act on a claimed delivery; ``generation`` is its fencing token."""
+
+    community_id: UUID
+    delivery_id: UUID
+    target_pubkey: bytes
+    generation: int
+    lease_until: datetime
+
+
+@dataclass(frozen=True, slots=True)
+class DeliveryRecord:
+    """A delivery as stored."""
+
+    id: UUID
+    binding: DeliveryBinding
+    status: DeliveryStatus
+    lease_generation: int
+    lease_until: datetime | None
+    claimed_at: datetime | None
+    finished_at: datetime | None
+    created_at: datetime
+    message_event_created_at: datetime
+
+
+@dataclass(frozen=True, slots=True)
+class Renewed:
+    lease_until: datetime
+
+
+@dataclass(frozen=True, slots=True)
+class Settled:
+    outcome: Outcome
+
+
+@dataclass(frozen=True, slots=True)
+class AlreadyTerminal:
+    """The caller's own delivery had already settled; ``status`` is what was recorded."""
+
+    status: DeliveryStatus
+
+
+@dataclass(frozen=True, slots=True)
+class LeaseLost:
+    """The lease no longer lets its holder act: expired, reaped, superseded or not its target."""
+
+
+RenewResult: TypeAlias = Renewed | LeaseLost
+FinishResult: TypeAlias = Settled | AlreadyTerminal | LeaseLost
+
+
+def message_v1_targets(kind: int, tags: Tags) -> list[bytes]:
+    """The targets of a visible workflow message (kind 9), in tag order.
+
+    A tag carrying the ``message-v1`` marker after its key must be exactly
+    ``["p", <64 lowercase hex>, "", "message-v1"]`` and name a target not named before. Tags
+    without the marker, plain ``p`` mentions included, are not targets.
+    """
+    _kind(MESSAGE_KIND, kind)
+    targets: list[bytes] = []
+    seen: set[bytes] = set()
+    for index, tag in enumerate(_tags(tags)):
+        if MESSAGE_V1_MARKER not in tag[1:]:
+            continue
+        if len(tag) != 4:
+            raise ProtocolError("tags", f"target tag {index} must have exactly 4 elements")
+        if tag[0] != "p":
+            raise ProtocolError("tags", f"target tag {index} must have the key 'p'")
+        if tag[3] != MESSAGE_V1_MARKER:
+            raise ProtocolError("tags", f"target tag {index} must end with the marker")
+        if tag[2] != "":
+            raise ProtocolError("tags", f"target tag {index} must have an empty relay slot")
+        target = _hex32("tags", tag[1])
+        if target in seen:
+            raise ProtocolError("tags", f"target tag {index} repeats a target")
+        seen.add(target)
+        targets.append(target)
+    return targets
+
+
+@dataclass(frozen=True, slots=True)
+class WakeHint:
+    """A kind-24620 nudge: a delivery for this target may be waiting.
+
+    An accelerator, never an authority: anyone can publish one, so a claim it prompts still goes
+    through the full binding check in the service layer.
+    """
+
+    target_pubkey: bytes
+    delivery_id: UUID
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "target_pubkey", _bytes32("target_pubkey", self.target_pubkey))
+        object.__setattr__(self, "delivery_id", _uuid("delivery_id", self.delivery_id))
+
+    @classmethod
+    def parse(cls, kind: int, content: str, tags: Tags) -> WakeHint:
+        """Read a wake-hint event: empty content, one ``p`` tag and one ``delivery`` tag."""
+        _kind(WAKE_HINT_KIND, kind)
+        if not isinstance(content, str) or content:
+            raise ProtocolError("content", "must be empty")
+        values: dict[str, str] = {}
+        for tag in _tags(tags):
+            if len(tag) != 2:
+                raise ProtocolError("tags", "each tag must have exactly 2 elements")
+            key, value = tag
+            if key not in ("p", "delivery"):
+                raise ProtocolError("tags", "only 'p' and 'delivery' tags are allowed")
+            if key in values:
+                raise ProtocolError("tags", f"repeated {key!r} tag")
+            values[key] = value
+        for key in ("p", "delivery"):
+            if key not in values:
+                raise ProtocolError("tags", f"missing {key!r} tag")
+        return cls(_hex32("target_pubkey", values["p"]), _uuid("delivery_id", values["delivery"]))
+
+    def tags(self) -> Tags:
+        return [["p", self.target_pubkey.hex()], ["delivery", str(self.delivery_id)]]
+
+
+def as_uuid(field: str, value: object) -> UUID:
+    """Validate an id for the service layer: a ``UUID`` or its canonical string."""
+    return _uuid(field, value)
+
+
+def as_bytes32(field: str, value: object) -> bytes:
+    """Validate a 32-byte value (a public key or event id) for the service layer."""
+    return _bytes32(field, value)
+
+
+def as_step_id(value: object) -> str:
+    """Validate a step id: 1 to 64 characters, not blank, no NUL."""
+    return _step_id(value)
+
+
+def as_datetime(field: str, value: object) -> datetime:
+    """Validate a timezone-aware instant (fractions of a second are kept)."""
+    if not isinstance(value, datetime) or value.utcoffset() is None:
+        raise ProtocolError(field, "must be a timezone-aware datetime")
+    return value
