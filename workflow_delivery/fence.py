@@ -1,0 +1,130 @@
+"""The community lifecycle and the deletion executor's side of the write fence.
+
+Writers pass the fence under the *shared* advisory lock on the community's
+deletion key (the row trigger takes it). The executor takes the *exclusive* lock,
+so it waits for every writer already past the fence and holds new ones until it
+commits; then it may write or purge the tenant's rows by presenting, for its
+transaction only, the community and the current fence generation.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from uuid import UUID
+
+from django.db import DEFAULT_DB_ALIAS, connections, transaction
+
+from . import sql
+from .exceptions import (
+    CommunityNotFound,
+    InvalidLifecycleTransition,
+    ProtocolError,
+    StaleFenceGeneration,
+)
+from .models import Community, DeletionState
+from .protocol import as_uuid
+
+_ORDER = [DeletionState.ACTIVE, DeletionState.QUIESCING, DeletionState.FENCED]
+_ORDER.append(DeletionState.TOMBSTONE)
+
+
+def _state(value: str) -> DeletionState:
+    try:
+        return DeletionState(value)
+    except ValueError:
+        raise ProtocolError(
+            "deletion_state", f"{value!r} is not one of {', '.join(DeletionState.values)}"
+        ) from None
+
+
+def _lock_exclusive(cursor, community_id: UUID) -> tuple[str, int]:
+    cursor.execute(sql.LOCK_COMMUNITY_EXCLUSIVE, [str(community_id)])
+    cursor.execute(sql.COMMUNITY_FENCE_STATE, [str(community_id)])
+    row = cursor.fetchone()
+    if row is None:
+        raise CommunityNotFound(f"community {community_id} does not exist")
+    return row[0], row[1]
+
+
+def transition_community(
+    community_id: UUID | str, to_state: str, *, using: str = DEFAULT_DB_ALIAS
+) -> int:
+    """Move a community through ``active → quiescing → fenced → tombstone`` as the
+    deletion executor and return the new fence generation. A quiescing community may
+    return to active (deletion cancelled); a tombstone is permanent."""
+    community_id = as_uuid("community_id", community_id)
+    target = _state(to_state)
+    with transaction.atomic(using=using), connections[using].cursor() as cursor:
+        sql.require_read_committed(cursor)
+        current, generation = _lock_exclusive(cursor, community_id)
+        current = DeletionState(current)
+        if current == target:
+            return generation
+        backwards = _ORDER.index(target) < _ORDER.index(current)
+        cancel = current == DeletionState.QUIESCING and target == DeletionState.ACTIVE
+        if backwards and not cancel:
+            raise InvalidLifecycleTransition(
+                f"community {community_id}: {current} -> {target} is not allowed "
+                f"(a tombstone is permanent; only a quiescing community can return to active)"
+            )
+        cursor.execute(sql.SET_COMMUNITY_STATE, [target.value, str(community_id)])
+        return cursor.fetchone()[0]
+
+
+def begin_deletion(community_id: UUID | str, *, using: str = DEFAULT_DB_ALIAS) -> int:
+    return transition_community(community_id, DeletionState.QUIESCING, using=using)
+
+
+@contextmanager
+def executor_writes(
+    community_id: UUID | str, generation: int, *, using: str = DEFAULT_DB_ALIAS
+) -> Iterator[None]:
+    """Inside this block (one transaction), the executor may write or purge the rows
+    of a community that is not active, presenting ``generation``. A generation that is
+    no longer current raises ``StaleFenceGeneration`` and nothing is written."""
+    community_id = as_uuid("community_id", community_id)
+    with transaction.atomic(using=using), connections[using].cursor() as cursor:
+        sql.require_read_committed(cursor)
+        _, current = _lock_exclusive(cursor, community_id)
+        if current != generation:
+            raise StaleFenceGeneration(
+                f"community {community_id}: fence generation {generation} is stale "
+                f"(current is {current})"
+            )
+        cursor.execute(sql.PRESENT_EXECUTOR, [str(community_id), str(generation)])
+        try:
+            yield
+        finally:
+            # The presentation is transaction-local; clear it so an enclosing
+            # transaction does not keep the executor's authority after the block.
+            if not connections[using].needs_rollback:
+                cursor.execute(sql.WITHDRAW_EXECUTOR)
+
+
+def purge_community(
+    community_id: UUID | str, generation: int, *, using: str = DEFAULT_DB_ALIAS
+) -> dict[str, int]:
+    """Delete every tenant row of a community that is not active, as the executor.
+    Returns the number of rows deleted per table."""
+    community_id = as_uuid("community_id", community_id)
+    deleted: dict[str, int] = {}
+    with executor_writes(community_id, generation, using=using):
+        community = Community.objects.using(using).get(pk=community_id)
+        if community.deletion_state == DeletionState.ACTIVE:
+            raise InvalidLifecycleTransition(
+                f"community {community_id} is active: begin its deletion before purging"
+            )
+        with connections[using].cursor() as cursor:
+            for table in sql.PURGE_ORDER:
+                cursor.execute(sql.purge_statement(table), [str(community_id)])
+                deleted[table] = cursor.rowcount
+    return deleted
+
+
+def community_write_allowed(community_id: UUID | str, *, using: str = DEFAULT_DB_ALIAS) -> bool:
+    """The database's own verdict: true only for an existing, active community."""
+    community_id = as_uuid("community_id", community_id)
+    with transaction.atomic(using=using), connections[using].cursor() as cursor:
+        cursor.execute(sql.COMMUNITY_WRITE_ALLOWED, [str(community_id)])
+        return bool(cursor.fetchone()[0])

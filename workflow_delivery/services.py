@@ -1,0 +1,499 @@
+"""Every state change of a delivery: identity lock + commit, claim, renew, finish, reap.
+
+Functions own their transaction (or join the caller's), take the database clock
+for every time, and return frozen values from ``protocol``. Expected outcomes (a
+miss, a lost lease) are values; database rule violations become named exceptions.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
+from datetime import datetime
+from uuid import UUID
+
+from django.db import DEFAULT_DB_ALIAS, connections, transaction
+from django.db import Error as DatabaseError
+
+from . import sql
+from .conf import app_settings
+from .exceptions import (
+    BindingScopeError,
+    CommunityWriteFenced,
+    ConstraintViolation,
+    DeliveryConflict,
+    InvalidLeaseSeconds,
+    IsolationLevelError,
+    ProtocolError,
+    ReferenceMissing,
+)
+from .models import WorkflowAgentDelivery
+from .protocol import (
+    AlreadyTerminal,
+    CauseKind,
+    DeliveryBinding,
+    DeliveryRecord,
+    DeliveryStatus,
+    EventCause,
+    Lease,
+    LeaseLost,
+    NewDelivery,
+    Outcome,
+    Renewed,
+    ScheduleCause,
+    Settled,
+    WebhookCause,
+    as_bytes32,
+    as_datetime,
+    as_step_id,
+    as_uuid,
+)
+
+__all__ = [
+    "StepIdentity",
+    "claim_delivery",
+    "commit_deliveries",
+    "delivery_identity",
+    "fail_deliveries",
+    "finish_delivery",
+    "get_delivery",
+    "reap_expired_deliveries",
+    "release_deliveries",
+    "renew_delivery",
+]
+
+_REFERENCE_CONSTRAINTS = {
+    "wd_delivery_community_fk": "community",
+    "wd_delivery_workflow_fk": "workflow",
+    "wd_delivery_run_fk": "run (of that workflow)",
+    "wd_delivery_message_event_fk": "message event (at that created_at)",
+}
+_PRIMARY_KEY = f"{WorkflowAgentDelivery._meta.db_table}_pkey"
+
+
+@contextmanager
+def _database_errors() -> Iterator[None]:
+    """Turn a database error into a named fact by the constraint it names."""
+    try:
+        yield
+    except DatabaseError as exc:
+        diag = getattr(exc.__cause__, "diag", None)
+        constraint = getattr(diag, "constraint_name", None)
+        sqlstate = getattr(exc.__cause__, "sqlstate", None)
+        message = getattr(diag, "message_primary", None) or str(exc)
+        if constraint == "wd_community_write_fence":
+            raise CommunityWriteFenced(message) from exc
+        if constraint == _PRIMARY_KEY:
+            raise DeliveryConflict(
+                f"a delivery with this id already exists for another step or target: {message}"
+            ) from exc
+        if constraint in _REFERENCE_CONSTRAINTS:
+            raise ReferenceMissing(
+                constraint,
+                f"the {_REFERENCE_CONSTRAINTS[constraint]} named by the delivery does not exist "
+                f"in its community ({constraint})",
+            ) from exc
+        if constraint and constraint.startswith("wd_"):
+            raise ConstraintViolation(constraint, f"{constraint}: {message}") from exc
+        if sqlstate == "25000" and "READ COMMITTED" in message:
+            raise IsolationLevelError(message) from exc
+        raise
+
+
+def _lease_seconds(value: object) -> int:
+    maximum = app_settings.MAX_LEASE_SECONDS
+    if value is None:
+        value = app_settings.DEFAULT_LEASE_SECONDS
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise InvalidLeaseSeconds("lease_seconds", f"must be a whole number, not {value!r}")
+    if not 0 < value <= maximum:
+        raise InvalidLeaseSeconds("lease_seconds", f"must be between 1 and {maximum}, not {value}")
+    return value
+
+
+def _cause_columns(binding: DeliveryBinding) -> list[object]:
+    cause = binding.cause
+    return [
+        cause.kind.value,
+        cause.event_id if isinstance(cause, EventCause) else None,
+        cause.scheduled_for if isinstance(cause, ScheduleCause) else None,
+        cause.invocation_id if isinstance(cause, WebhookCause) else None,
+    ]
+
+
+def _cause(kind: str, event_id: bytes | None, scheduled_for, invocation_id):
+    if kind == CauseKind.EVENT:
+        return EventCause(bytes(event_id))
+    if kind == CauseKind.SCHEDULE:
+        return ScheduleCause(scheduled_for)
+    return WebhookCause(invocation_id)
+
+
+def _record(row: Sequence) -> DeliveryRecord:
+    (
+        id_,
+        community_id,
+        workflow_id,
+        run_id,
+        step_id,
+        target_pubkey,
+        definition_event_id,
+        message_event_id,
+        message_event_created_at,
+        cause_kind,
+        cause_event_id,
+        cause_scheduled_for,
+        cause_webhook_invocation_id,
+        status,
+        lease_generation,
+        lease_until,
+        claimed_at,
+        finished_at,
+        created_at,
+    ) = row
+    binding = DeliveryBinding(
+        community_id=community_id,
+        workflow_id=workflow_id,
+        run_id=run_id,
+        step_id=step_id,
+        target_pubkey=bytes(target_pubkey),
+        definition_event_id=bytes(definition_event_id),
+        message_event_id=bytes(message_event_id),
+        cause=_cause(cause_kind, cause_event_id, cause_scheduled_for, cause_webhook_invocation_id),
+    )
+    return DeliveryRecord(
+        id=id_,
+        binding=binding,
+        status=DeliveryStatus(status),
+        lease_generation=lease_generation,
+        lease_until=lease_until,
+        claimed_at=claimed_at,
+        finished_at=finished_at,
+        created_at=created_at,
+        message_event_created_at=message_event_created_at,
+    )
+
+
+def _lease_params(lease: object) -> list[object]:
+    if not isinstance(lease, Lease):
+        raise ProtocolError("lease", f"must be a Lease, not {type(lease).__name__}")
+    return [lease.community_id, lease.delivery_id, lease.target_pubkey, lease.generation]
+
+
+def _new_deliveries(deliveries: object) -> list[NewDelivery]:
+    if isinstance(deliveries, NewDelivery | str | bytes) or not isinstance(deliveries, Iterable):
+        raise ProtocolError("deliveries", "must be a list of NewDelivery")
+    batch = list(deliveries)
+    if not batch:
+        raise ProtocolError("deliveries", "a step commits at least one delivery")
+    for item in batch:
+        if not isinstance(item, NewDelivery):
+            raise ProtocolError("deliveries", f"must hold NewDelivery, not {type(item).__name__}")
+    return batch
+
+
+class StepIdentity:
+    """The producer's hold on one (community, run, step) inside its transaction."""
+
+    def __init__(
+        self, community_id: UUID, run_id: UUID, step_id: str, exists: bool, using: str
+    ) -> None:
+        self.community_id = community_id
+        self.run_id = run_id
+        self.step_id = step_id
+        self.exists = exists
+        self._using = using
+
+    def __repr__(self) -> str:
+        return (
+            f"StepIdentity(community_id={self.community_id}, run_id={self.run_id}, "
+            f"step_id={self.step_id!r}, exists={self.exists})"
+        )
+
+    def _validate(self, deliveries: Iterable[NewDelivery]) -> list[NewDelivery]:
+        batch = _new_deliveries(deliveries)
+        ids, targets = set(), set()
+        message = None
+        for item in batch:
+            binding = item.binding
+            if binding.community_id != self.community_id:
+                raise BindingScopeError(
+                    "community_id",
+                    f"delivery {item.id} belongs to community {binding.community_id}, "
+                    f"not the committing community {self.community_id}",
+                )
+            if binding.run_id != self.run_id or binding.step_id != self.step_id:
+                raise BindingScopeError(
+                    "step_id",
+                    f"delivery {item.id} is for run {binding.run_id} step {binding.step_id!r}; "
+                    f"this commit is for run {self.run_id} step {self.step_id!r} "
+                    "(deliveries of several steps cannot share one commit)",
+                )
+            if message is not None and binding.message_event_id != message:
+                raise ProtocolError(
+                    "message_event_id", "every delivery of a step carries the same message event"
+                )
+            message = binding.message_event_id
+            if item.id in ids:
+                raise ProtocolError("id", f"delivery id {item.id} appears twice in one commit")
+            if binding.target_pubkey in targets:
+                raise ProtocolError(
+                    "target_pubkey",
+                    f"target {binding.target_pubkey.hex()} appears twice in one commit",
+                )
+            ids.add(item.id)
+            targets.add(binding.target_pubkey)
+        return batch
+
+    def commit(
+        self, message_event_created_at: datetime, deliveries: Iterable[NewDelivery]
+    ) -> list[UUID]:
+        """Insert the step's deliveries at once; return the ids actually created.
+        An existing (community, run, step, target) is skipped, so a retry creates nothing."""
+        created_at = as_datetime("message_event_created_at", message_event_created_at)
+        batch = self._validate(deliveries)
+        params: list[object] = []
+        for item in batch:
+            b = item.binding
+            params += [
+                item.id,
+                b.community_id,
+                b.workflow_id,
+                b.run_id,
+                b.step_id,
+                b.target_pubkey,
+                b.definition_event_id,
+                b.message_event_id,
+                created_at,
+                *_cause_columns(b),
+            ]
+        with _database_errors(), connections[self._using].cursor() as cursor:
+            cursor.execute(sql.insert_deliveries(len(batch)), params)
+            created = [row[0] for row in cursor.fetchall()]
+        if created:
+            self.exists = True
+        return created
+
+
+@contextmanager
+def delivery_identity(
+    community_id: UUID | str,
+    run_id: UUID | str,
+    step_id: str,
+    *,
+    using: str = DEFAULT_DB_ALIAS,
+) -> Iterator[StepIdentity]:
+    """Open a transaction holding the step's identity lock. ``.exists`` tells whether
+    the step already has deliveries (reuse the signed message); ``.commit`` inserts
+    them. The producer's own writes in the block commit or roll back with them."""
+    probe = as_step_id(step_id)
+    community_id = as_uuid("community_id", community_id)
+    run_id = as_uuid("run_id", run_id)
+    with transaction.atomic(using=using):
+        with _database_errors(), connections[using].cursor() as cursor:
+            # Transaction-scoped: released by our commit or rollback, never leaked.
+            cursor.execute(
+                sql.LOCK_STEP_IDENTITY,
+                [str(community_id), str(run_id), probe, community_id, run_id, probe],
+            )
+            exists = bool(cursor.fetchone()[1])
+        yield StepIdentity(community_id, run_id, probe, exists, using)
+
+
+def commit_deliveries(
+    community_id: UUID | str,
+    message_event_created_at: datetime,
+    deliveries: Iterable[NewDelivery],
+    *,
+    using: str = DEFAULT_DB_ALIAS,
+) -> list[UUID]:
+    """Commit the deliveries of one (run, step) in one call; returns the ids created."""
+    batch = _new_deliveries(deliveries)
+    first = batch[0].binding
+    with delivery_identity(community_id, first.run_id, first.step_id, using=using) as identity:
+        return identity.commit(message_event_created_at, batch)
+
+
+def _claim_queryset(
+    community_id: UUID,
+    target_pubkey: bytes,
+    delivery_id: UUID | None,
+    expected: DeliveryBinding | None,
+    using: str,
+):
+    rows = WorkflowAgentDelivery.objects.using(using).filter(
+        community_id=community_id,
+        target_pubkey=target_pubkey,
+        status=DeliveryStatus.PENDING.value,
+    )
+    if delivery_id is not None:
+        rows = rows.filter(id=delivery_id)
+    if expected is not None:
+        rows = rows.filter(
+            workflow_id=expected.workflow_id,
+            run_id=expected.run_id,
+            step_id=expected.step_id,
+            definition_event_id=expected.definition_event_id,
+            message_event_id=expected.message_event_id,
+            cause_kind=expected.cause.kind.value,
+        )
+        _, event_id, scheduled_for, invocation_id = _cause_columns(expected)
+        if event_id is not None:
+            rows = rows.filter(cause_event_id=event_id)
+        elif scheduled_for is not None:
+            rows = rows.filter(cause_scheduled_for=scheduled_for)
+        else:
+            rows = rows.filter(cause_webhook_invocation_id=invocation_id)
+    # The oldest pending row nobody else holds: a locked row is someone else's
+    # claim in flight, so skip it rather than queue behind it.
+    return rows.order_by("created_at", "id").select_for_update(skip_locked=True).values("id")[:1]
+
+
+def claim_delivery(
+    community_id: UUID | str,
+    target_pubkey: bytes,
+    *,
+    delivery_id: UUID | str | None = None,
+    expected: DeliveryBinding | None = None,
+    lease_seconds: int | None = None,
+    using: str = DEFAULT_DB_ALIAS,
+) -> tuple[Lease, DeliveryRecord] | None:
+    """Claim the target's oldest pending delivery in the community (or exactly
+    ``delivery_id``, or only one matching ``expected`` in every field). A miss is None."""
+    community_id = as_uuid("community_id", community_id)
+    target_pubkey = as_bytes32("target_pubkey", target_pubkey)
+    seconds = _lease_seconds(lease_seconds)
+    if delivery_id is not None:
+        delivery_id = as_uuid("delivery_id", delivery_id)
+    if expected is not None:
+        if not isinstance(expected, DeliveryBinding):
+            raise ProtocolError("expected", "must be a DeliveryBinding")
+        if expected.community_id != community_id or expected.target_pubkey != target_pubkey:
+            return None
+    queryset = _claim_queryset(community_id, target_pubkey, delivery_id, expected, using)
+    select_sql, params = queryset.query.get_compiler(using=using).as_sql()
+    # One statement: the locking SELECT and the UPDATE run in the same implicit
+    # transaction (or the caller's), so the row lock lasts exactly as long as needed.
+    with _database_errors(), connections[using].cursor() as cursor:
+        cursor.execute(sql.claim_statement(select_sql), [*params, seconds])
+        row = cursor.fetchone()
+    if row is None:
+        return None
+    record = _record(row)
+    lease = Lease(
+        community_id=community_id,
+        delivery_id=record.id,
+        target_pubkey=target_pubkey,
+        generation=record.lease_generation,
+        lease_until=record.lease_until,
+    )
+    return lease, record
+
+
+def renew_delivery(
+    lease: Lease, *, lease_seconds: int | None = None, using: str = DEFAULT_DB_ALIAS
+) -> Renewed | LeaseLost:
+    """Extend a live lease to now() + lease_seconds; an expired, reaped or superseded
+    lease is lost and cannot revive itself."""
+    params = _lease_params(lease)
+    seconds = _lease_seconds(lease_seconds)
+    with _database_errors(), connections[using].cursor() as cursor:
+        cursor.execute(sql.RENEW, [seconds, *params])
+        row = cursor.fetchone()
+    return Renewed(lease_until=row[0]) if row else LeaseLost()
+
+
+def finish_delivery(
+    lease: Lease, outcome: Outcome | str, *, using: str = DEFAULT_DB_ALIAS
+) -> Settled | AlreadyTerminal | LeaseLost:
+    """Settle the delivery once. A retry by the same capability after a settle
+    reports the recorded status; anyone else gets LeaseLost."""
+    params = _lease_params(lease)
+    try:
+        outcome = Outcome(outcome)
+    except ValueError:
+        raise ProtocolError("outcome", f"must be finished or failed, not {outcome!r}") from None
+    with _database_errors(), connections[using].cursor() as cursor:
+        cursor.execute(sql.FINISH, [outcome.value, *params])
+        if cursor.fetchone() is not None:
+            return Settled(outcome=outcome)
+        # Nothing settled: look at the row by the caller's full capability (same
+        # generation), in a fresh statement so a concurrent settle is visible.
+        cursor.execute(sql.STATUS_BY_CAPABILITY, params)
+        row = cursor.fetchone()
+    if row is not None and DeliveryStatus(row[0]).is_terminal:
+        return AlreadyTerminal(status=DeliveryStatus(row[0]))
+    return LeaseLost()
+
+
+def reap_expired_deliveries(
+    *,
+    batch_size: int | None = None,
+    on_batch: Callable[[int, float], None] | None = None,
+    should_stop: Callable[[], bool] | None = None,
+    using: str = DEFAULT_DB_ALIAS,
+) -> int:
+    """Return every expired lease of every active community to pending, bumping its
+    fence, in bounded batches until none is left; returns how many were reclaimed.
+    ``on_batch(count, seconds)`` observes each batch; ``should_stop()`` ends the sweep
+    between batches."""
+    size = app_settings.REAP_BATCH_SIZE if batch_size is None else batch_size
+    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+        raise ProtocolError("batch_size", f"must be a positive whole number, not {size!r}")
+    total = 0
+    while True:
+        started = time.monotonic()
+        # Each batch is its own short transaction (unless the caller holds one), so a
+        # sweep never holds more than ``size`` row locks at once.
+        with _database_errors(), connections[using].cursor() as cursor:
+            cursor.execute(sql.REAP_BATCH, [size])
+            count = len(cursor.fetchall())
+        total += count
+        if on_batch is not None:
+            on_batch(count, time.monotonic() - started)
+        if count < size or (should_stop is not None and should_stop()):
+            return total
+
+
+def get_delivery(
+    community_id: UUID | str, delivery_id: UUID | str, *, using: str = DEFAULT_DB_ALIAS
+) -> DeliveryRecord | None:
+    """The delivery's record within its community, or None."""
+    community_id = as_uuid("community_id", community_id)
+    delivery_id = as_uuid("delivery_id", delivery_id)
+    row = (
+        WorkflowAgentDelivery.objects.using(using)
+        .filter(community_id=community_id, id=delivery_id)
+        .values_list(*sql.RECORD_COLUMNS)
+        .first()
+    )
+    return _record(row) if row is not None else None
+
+
+def _operator_update(
+    statement: str, community_id: UUID | str, delivery_ids: Iterable[UUID | str], using: str
+) -> list[UUID]:
+    community_id = as_uuid("community_id", community_id)
+    ids = [as_uuid("delivery_id", value) for value in delivery_ids]
+    if not ids:
+        return []
+    with transaction.atomic(using=using), _database_errors(), connections[using].cursor() as c:
+        c.execute(statement, [community_id, ids])
+        return [row[0] for row in c.fetchall()]
+
+
+def release_deliveries(
+    community_id: UUID | str, delivery_ids: Iterable[UUID | str], *, using: str = DEFAULT_DB_ALIAS
+) -> list[UUID]:
+    """Operator release: claimed rows of an active community go back to pending with
+    the fence bumped, so their live holders are fenced out. Returns the ids released."""
+    return _operator_update(sql.RELEASE, community_id, delivery_ids, using)
+
+
+def fail_deliveries(
+    community_id: UUID | str, delivery_ids: Iterable[UUID | str], *, using: str = DEFAULT_DB_ALIAS
+) -> list[UUID]:
+    """Operator terminal: pending or claimed rows of an active community become
+    ``failed``. Returns the ids marked."""
+    return _operator_update(sql.MARK_FAILED, community_id, delivery_ids, using)

@@ -1,0 +1,201 @@
+"""Every raw statement of the app, named, in one place.
+
+Only what the ORM cannot say lives here: ``UPDATE … RETURNING`` with database-clock
+arithmetic, ``INSERT … ON CONFLICT``, advisory locks and transaction-local settings.
+Identifiers come from model ``_meta`` through ``quote_name``; values are always
+parameters.
+"""
+
+from __future__ import annotations
+
+from django.db import connection
+from django.db.backends.utils import CursorWrapper
+
+from .exceptions import IsolationLevelError
+from .models import Community, Event, Workflow, WorkflowAgentDelivery, WorkflowRun
+
+_q = connection.ops.quote_name
+
+DELIVERIES = _q(WorkflowAgentDelivery._meta.db_table)
+COMMUNITIES = _q(Community._meta.db_table)
+
+# Columns of a delivery record, in the order ``services._record`` reads them.
+RECORD_COLUMNS = [
+    "id",
+    "community_id",
+    "workflow_id",
+    "run_id",
+    "step_id",
+    "target_pubkey",
+    "definition_event_id",
+    "message_event_id",
+    "message_event_created_at",
+    "cause_kind",
+    "cause_event_id",
+    "cause_scheduled_for",
+    "cause_webhook_invocation_id",
+    "status",
+    "lease_generation",
+    "lease_until",
+    "claimed_at",
+    "finished_at",
+    "created_at",
+]
+_RETURNING = ", ".join(f"d.{_q(column)}" for column in RECORD_COLUMNS)
+_INSERT_COLUMNS = RECORD_COLUMNS[:13]
+INSERT_ROW_WIDTH = len(_INSERT_COLUMNS)
+
+# Identity lock of one (community, run, step): producers of the same step queue
+# here, so the "already exists?" answer stays true until the commit lands.
+LOCK_STEP_IDENTITY = f"""
+SELECT pg_advisory_xact_lock(hashtextextended(
+           'workflow_delivery.delivery_identity:' || %s || ':' || %s || ':' || %s, 0)),
+       EXISTS (
+           SELECT 1 FROM {DELIVERIES}
+           WHERE community_id = %s AND run_id = %s AND step_id = %s
+       )
+"""
+
+
+def insert_deliveries(count: int) -> str:
+    """One multi-row insert of ``count`` deliveries; an existing identity is skipped."""
+    row = "(" + ", ".join(["%s"] * INSERT_ROW_WIDTH) + ")"
+    columns = ", ".join(_q(column) for column in _INSERT_COLUMNS)
+    return (
+        f"INSERT INTO {DELIVERIES} ({columns}) VALUES {', '.join([row] * count)} "
+        f"ON CONFLICT ON CONSTRAINT wd_delivery_identity_key DO NOTHING RETURNING id"
+    )
+
+
+def claim_statement(select_sql: str) -> str:
+    """Turn the claim queryset's locking ``SELECT id … FOR UPDATE SKIP LOCKED`` into
+    one statement that also marks the winner claimed and returns it."""
+    return f"""
+WITH picked AS ({select_sql})
+UPDATE {DELIVERIES} AS d
+   SET status = 'claimed',
+       lease_generation = d.lease_generation + 1,
+       claimed_at = now(),
+       lease_until = now() + make_interval(secs => %s)
+  FROM picked
+ WHERE d.id = picked.id
+RETURNING {_RETURNING}
+"""
+
+
+# The four conditions of a live lease: claimed, same generation, same target, not expired.
+_LIVE_LEASE = """
+  community_id = %s AND id = %s AND target_pubkey = %s AND lease_generation = %s
+  AND status = 'claimed' AND lease_until >= now()
+"""
+
+RENEW = f"""
+UPDATE {DELIVERIES}
+   SET lease_until = now() + make_interval(secs => %s)
+ WHERE {_LIVE_LEASE}
+RETURNING lease_until
+"""
+
+FINISH = f"""
+UPDATE {DELIVERIES}
+   SET status = %s, finished_at = now(), lease_until = NULL, claimed_at = NULL
+ WHERE {_LIVE_LEASE}
+RETURNING status
+"""
+
+# After a finish that settled nothing: the row as the caller's full capability sees it.
+STATUS_BY_CAPABILITY = f"""
+SELECT status FROM {DELIVERIES}
+ WHERE community_id = %s AND id = %s AND target_pubkey = %s AND lease_generation = %s
+"""
+
+# One bounded batch of the fleet-wide reaper. A tenant that is not active is
+# filtered out inside the statement, so its fence never aborts the sweep; rows a
+# live holder has locked are skipped, not waited for.
+REAP_BATCH = f"""
+WITH expired AS (
+    SELECT id FROM {DELIVERIES}
+     WHERE status = 'claimed' AND lease_until < now()
+       AND community_write_allowed(community_id)
+     ORDER BY lease_until
+     LIMIT %s
+     FOR UPDATE SKIP LOCKED
+)
+UPDATE {DELIVERIES} AS d
+   SET status = 'pending',
+       lease_generation = d.lease_generation + 1,
+       lease_until = NULL,
+       claimed_at = NULL
+  FROM expired
+ WHERE d.id = expired.id
+RETURNING d.community_id
+"""
+
+# An operator's release of chosen claimed rows (admin): back to pending, fence bumped.
+RELEASE = f"""
+UPDATE {DELIVERIES} AS d
+   SET status = 'pending',
+       lease_generation = d.lease_generation + 1,
+       lease_until = NULL,
+       claimed_at = NULL
+ WHERE d.community_id = %s AND d.id = ANY(%s) AND d.status = 'claimed'
+   AND community_write_allowed(d.community_id)
+RETURNING d.id
+"""
+
+# An operator's terminal for chosen non-terminal rows (admin), recorded as failed.
+MARK_FAILED = f"""
+UPDATE {DELIVERIES} AS d
+   SET status = 'failed', finished_at = now(), lease_until = NULL, claimed_at = NULL
+ WHERE d.community_id = %s AND d.id = ANY(%s) AND d.status IN ('pending', 'claimed')
+   AND community_write_allowed(d.community_id)
+RETURNING d.id
+"""
+
+ISOLATION_LEVEL = "SELECT current_setting('transaction_isolation')"
+
+COMMUNITY_WRITE_ALLOWED = "SELECT community_write_allowed(%s::uuid)"
+
+# The executor's exclusive deletion lock: waits for writers already past the
+# fence (they hold the shared lock until commit) and holds back new ones.
+LOCK_COMMUNITY_EXCLUSIVE = "SELECT pg_advisory_xact_lock(wd_community_deletion_key(%s::uuid))"
+
+COMMUNITY_FENCE_STATE = f"""
+SELECT deletion_state, deletion_fence_generation FROM {COMMUNITIES} WHERE id = %s
+   FOR NO KEY UPDATE
+"""
+
+SET_COMMUNITY_STATE = f"""
+UPDATE {COMMUNITIES} SET deletion_state = %s WHERE id = %s RETURNING deletion_fence_generation
+"""
+
+PRESENT_EXECUTOR = """
+SELECT set_config('workflow_delivery.executor_community', %s, true),
+       set_config('workflow_delivery.executor_generation', %s, true)
+"""
+
+WITHDRAW_EXECUTOR = """
+SELECT set_config('workflow_delivery.executor_community', '', true),
+       set_config('workflow_delivery.executor_generation', '', true)
+"""
+
+# Children first, so no foreign key refuses the purge.
+PURGE_ORDER = [
+    WorkflowAgentDelivery._meta.db_table,
+    WorkflowRun._meta.db_table,
+    Workflow._meta.db_table,
+    Event._meta.db_table,
+]
+
+
+def purge_statement(table: str) -> str:
+    return f"DELETE FROM {_q(table)} WHERE community_id = %s"
+
+
+def require_read_committed(cursor: CursorWrapper) -> None:
+    cursor.execute(ISOLATION_LEVEL)
+    level = cursor.fetchone()[0]
+    if level != "read committed":
+        raise IsolationLevelError(
+            f"the community write fence needs READ COMMITTED isolation, not {level.upper()}"
+        )
