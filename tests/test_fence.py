@@ -1,0 +1,261 @@
+"""The community write fence of SPEC §4, proven on the database itself."""
+
+from __future__ import annotations
+
+import uuid
+
+import pytest
+from django.db import DatabaseError, connection, transaction
+
+from tests import factories
+from workflow_delivery import fence
+from workflow_delivery.exceptions import (
+    InvalidLifecycleTransition,
+    IsolationLevelError,
+    StaleFenceGeneration,
+)
+from workflow_delivery.models import Community, Event, WorkflowAgentDelivery, WorkflowRun
+from workflow_delivery.services import commit_deliveries
+
+NOT_ACTIVE = ["quiescing", "fenced", "tombstone"]
+TENANT_WRITES = {
+    "workflows": "UPDATE workflows SET name = 'renamed' WHERE community_id = %s",
+    "workflow_runs": "UPDATE workflow_runs SET status = 'running' WHERE community_id = %s",
+    "events": "DELETE FROM events WHERE community_id = %s",
+    "workflow_agent_deliveries": (
+        "UPDATE workflow_agent_deliveries SET lease_generation = lease_generation + 1 "
+        "WHERE community_id = %s"
+    ),
+}
+
+
+def fenced_step(state: str) -> factories.Step:
+    step = factories.Step(targets=2)
+    commit_deliveries(step.community.id, step.created_at, step.new_deliveries())
+    fence.transition_community(step.community.id, state)
+    return step
+
+
+def refused(statement: str, params: list) -> DatabaseError:
+    with pytest.raises(DatabaseError) as caught, transaction.atomic(), connection.cursor() as c:
+        c.execute(statement, params)
+    return caught.value
+
+
+@pytest.mark.parametrize("state", NOT_ACTIVE)
+@pytest.mark.parametrize("table", sorted(TENANT_WRITES))
+def test_write_to_a_tenant_table_of_a_non_active_community_is_refused(db, state, table):
+    step = fenced_step(state)
+    error = refused(TENANT_WRITES[table], [step.community.id])
+    assert error.__cause__.diag.constraint_name == "wd_community_write_fence"
+    assert str(step.community.id) in str(error)
+    assert state in str(error)
+    assert WorkflowAgentDelivery.objects.filter(community=step.community).count() == 2
+
+
+@pytest.mark.parametrize("state", NOT_ACTIVE)
+def test_insert_into_a_non_active_community_is_refused(db, state):
+    owner = factories.community()
+    fence.transition_community(owner.id, state)
+    with pytest.raises(DatabaseError) as caught, transaction.atomic():
+        factories.workflow(owner)
+    assert caught.value.__cause__.diag.constraint_name == "wd_community_write_fence"
+    assert owner.host in str(caught.value)
+
+
+def test_moving_a_row_into_a_fenced_community_is_refused(db):
+    healthy, frozen = factories.community(), factories.community()
+    flow = factories.workflow(healthy)
+    fence.transition_community(frozen.id, "fenced")
+    with pytest.raises(DatabaseError) as caught, transaction.atomic(), connection.cursor() as c:
+        c.execute("UPDATE workflows SET community_id = %s WHERE id = %s", [frozen.id, flow.id])
+    assert str(frozen.id) in str(caught.value)
+
+
+def test_moving_a_row_out_of_a_fenced_community_is_refused(db):
+    healthy, frozen = factories.community(), factories.community()
+    flow = factories.workflow(frozen)
+    fence.transition_community(frozen.id, "fenced")
+    with pytest.raises(DatabaseError) as caught, transaction.atomic(), connection.cursor() as c:
+        c.execute("UPDATE workflows SET community_id = %s WHERE id = %s", [healthy.id, flow.id])
+    assert str(frozen.id) in str(caught.value)
+
+
+def test_each_transition_bumps_the_fence_generation(db):
+    owner = factories.community()
+    assert fence.transition_community(owner.id, "quiescing") == 1
+    assert fence.transition_community(owner.id, "fenced") == 2
+    assert fence.transition_community(owner.id, "tombstone") == 3
+    owner.refresh_from_db()
+    assert (owner.deletion_state, owner.deletion_fence_generation) == ("tombstone", 3)
+    assert owner.deleted_at is not None
+
+
+def test_executor_may_write_under_the_current_generation(db):
+    step = fenced_step("fenced")
+    generation = Community.objects.get(pk=step.community.pk).deletion_fence_generation
+    with fence.executor_writes(step.community.id, generation):
+        WorkflowRun.objects.filter(community=step.community).update(status="cancelled")
+    assert set(
+        WorkflowRun.objects.filter(community=step.community).values_list("status", flat=True)
+    ) == {"cancelled"}
+
+
+def test_executor_authority_ends_with_its_block(db):
+    step = fenced_step("fenced")
+    generation = Community.objects.get(pk=step.community.pk).deletion_fence_generation
+    with transaction.atomic():
+        with fence.executor_writes(step.community.id, generation):
+            pass
+        with pytest.raises(DatabaseError), transaction.atomic():
+            WorkflowRun.objects.filter(community=step.community).update(status="cancelled")
+
+
+def test_executor_with_a_stale_generation_is_refused(db):
+    step = fenced_step("quiescing")
+    stale = Community.objects.get(pk=step.community.pk).deletion_fence_generation
+    fence.transition_community(step.community.id, "fenced")
+    with pytest.raises(StaleFenceGeneration), fence.executor_writes(step.community.id, stale):
+        pytest.fail("a stale executor must not get to write")
+
+
+def test_stale_generation_presented_by_raw_sql_is_refused(db):
+    step = fenced_step("quiescing")
+    stale = Community.objects.get(pk=step.community.pk).deletion_fence_generation
+    fence.transition_community(step.community.id, "fenced")
+    with pytest.raises(DatabaseError), transaction.atomic(), connection.cursor() as c:
+        c.execute(
+            "SELECT set_config('workflow_delivery.executor_community', %s, true), "
+            "set_config('workflow_delivery.executor_generation', %s, true)",
+            [str(step.community.id), str(stale)],
+        )
+        c.execute("DELETE FROM events WHERE community_id = %s", [step.community.id])
+    assert Event.objects.filter(community=step.community).exists()
+
+
+def test_executor_purges_a_fenced_tenant(db):
+    step = fenced_step("fenced")
+    generation = Community.objects.get(pk=step.community.pk).deletion_fence_generation
+    deleted = fence.purge_community(step.community.id, generation)
+    assert deleted["workflow_agent_deliveries"] == 2
+    assert deleted["events"] == 1
+    assert not WorkflowAgentDelivery.objects.filter(community=step.community).exists()
+    fence.transition_community(step.community.id, "tombstone")
+
+
+def test_tombstone_cannot_be_reverted(db):
+    owner = factories.community()
+    fence.transition_community(owner.id, "tombstone")
+    for state in ["active", "quiescing", "fenced"]:
+        with pytest.raises(InvalidLifecycleTransition):
+            fence.transition_community(owner.id, state)
+        with pytest.raises(DatabaseError) as caught, transaction.atomic(), connection.cursor() as c:
+            c.execute("UPDATE communities SET deletion_state = %s WHERE id = %s", [state, owner.id])
+        assert caught.value.__cause__.diag.constraint_name == "wd_community_tombstone_permanent"
+    assert Community.objects.get(pk=owner.pk).deletion_state == "tombstone"
+
+
+def test_tombstone_cannot_be_deleted(db):
+    owner = factories.community()
+    fence.transition_community(owner.id, "tombstone")
+    with pytest.raises(DatabaseError) as caught, transaction.atomic(), connection.cursor() as c:
+        c.execute("DELETE FROM communities WHERE id = %s", [owner.id])
+    assert caught.value.__cause__.diag.constraint_name == "wd_community_tombstone_permanent"
+    assert Community.objects.filter(pk=owner.pk).exists()
+
+
+def test_fenced_community_cannot_go_back_to_active(db):
+    owner = factories.community()
+    fence.transition_community(owner.id, "fenced")
+    with pytest.raises(InvalidLifecycleTransition):
+        fence.transition_community(owner.id, "active")
+
+
+def test_quiescing_community_can_be_reactivated(db):
+    owner = factories.community()
+    fence.transition_community(owner.id, "quiescing")
+    assert fence.transition_community(owner.id, "active") == 2
+    factories.workflow(owner)
+
+
+def test_direct_state_update_still_takes_the_fence(db, raw):
+    owner = factories.community()
+    raw.execute("UPDATE communities SET deletion_state = 'fenced' WHERE id = %s", [owner.id])
+    owner.refresh_from_db()
+    assert owner.deletion_fence_generation == 1
+
+
+@pytest.mark.parametrize(
+    ("state", "allowed"),
+    [("active", True), ("quiescing", False), ("fenced", False), ("tombstone", False)],
+)
+def test_community_write_allowed_only_for_active(db, state, allowed):
+    owner = factories.community()
+    if state != "active":
+        fence.transition_community(owner.id, state)
+    assert fence.community_write_allowed(owner.id) is allowed
+
+
+def test_community_write_allowed_is_false_for_an_unknown_community(db):
+    assert fence.community_write_allowed(uuid.uuid4()) is False
+
+
+@pytest.mark.django_db(transaction=True)
+def test_community_write_allowed_refuses_other_isolation_levels():
+    owner = factories.community()
+    with pytest.raises(DatabaseError) as caught, transaction.atomic(), connection.cursor() as c:
+        c.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ")
+        c.execute("SELECT community_write_allowed(%s)", [owner.id])
+    assert "READ COMMITTED" in str(caught.value)
+
+
+@pytest.mark.django_db(transaction=True)
+def test_executor_refuses_other_isolation_levels():
+    owner = factories.community()
+    with pytest.raises(IsolationLevelError), transaction.atomic(), connection.cursor() as c:
+        c.execute("SET TRANSACTION ISOLATION LEVEL SERIALIZABLE")
+        fence.transition_community(owner.id, "quiescing")
+
+
+def test_unknown_state_is_a_clear_error(db):
+    owner = factories.community()
+    with pytest.raises(ValueError, match="deletion_state"):
+        fence.transition_community(owner.id, "deleted")
+
+
+def test_every_tenant_table_carries_the_fence_trigger(db, raw):
+    """Fence parity: a table with a community_id column and no fence trigger fails here."""
+    raw.execute(
+        """
+        SELECT c.relname
+          FROM pg_class c
+          JOIN pg_namespace n ON n.oid = c.relnamespace
+          JOIN pg_attribute a ON a.attrelid = c.oid AND a.attname = 'community_id'
+                             AND NOT a.attisdropped
+         WHERE c.relkind IN ('r', 'p') AND n.nspname = current_schema()
+           AND NOT EXISTS (
+               SELECT 1 FROM pg_trigger t
+                JOIN pg_proc p ON p.oid = t.tgfoid
+               WHERE t.tgrelid = c.oid AND NOT t.tgisinternal
+                 AND p.proname = 'wd_enforce_community_write_fence'
+                 AND t.tgenabled <> 'D'
+                 -- BEFORE, ROW, INSERT + DELETE + UPDATE
+                 AND (t.tgtype & 1) = 1 AND (t.tgtype & 2) = 2
+                 AND (t.tgtype & 4) = 4 AND (t.tgtype & 8) = 8 AND (t.tgtype & 16) = 16)
+        """
+    )
+    assert raw.fetchall() == []
+    raw.execute(
+        """
+        SELECT count(*) FROM pg_trigger
+         WHERE tgname = 'wd_community_write_fence' AND NOT tgisinternal
+        """
+    )
+    assert raw.fetchone()[0] >= 4
+
+
+def test_fence_parity_catches_a_tenant_table_without_the_trigger(db, raw):
+    raw.execute("CREATE TABLE wd_probe_tenant (community_id uuid)")
+    test_parity = test_every_tenant_table_carries_the_fence_trigger
+    with pytest.raises(AssertionError):
+        test_parity(db, raw)
