@@ -399,6 +399,10 @@ def as_step_id(value: object) -> str:
 
 def as_datetime(field: str, value: object) -> datetime:
     """Validate a timezone-aware instant (fractions of a second are kept)."""
-    if not isinstance(value, datetime) or value.utcoffset() is None:
+    try:
+        aware = isinstance(value, datetime) and value.utcoffset() is not None
+    except (TypeError, ValueError):
+        aware = False
+    if not aware:
         raise ProtocolError(field, "must be a timezone-aware datetime")
     return value
