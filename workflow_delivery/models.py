@@ -181,6 +181,32 @@ class Event(models.Model):
         return bytes(self.id).hex()
 
 
+class DeliveryQuerySet(models.QuerySet):
+    """Read queries named for intent; every write goes through ``services``."""
+
+    def pending(self) -> DeliveryQuerySet:
+        return self.filter(status=PENDING)
+
+    def claimed(self) -> DeliveryQuerySet:
+        return self.filter(status=CLAIMED)
+
+    def terminal(self) -> DeliveryQuerySet:
+        return self.filter(status__in=TERMINAL_STATUSES)
+
+    def expired_leases(self) -> DeliveryQuerySet:
+        """Claimed rows whose lease has run out by the database clock."""
+        return self.filter(status=CLAIMED, lease_until__lt=TransactionNow())
+
+    def in_active_communities(self) -> DeliveryQuerySet:
+        return self.filter(community__deletion_state=DeletionState.ACTIVE)
+
+    def in_fenced_communities(self) -> DeliveryQuerySet:
+        return self.exclude(community__deletion_state=DeletionState.ACTIVE)
+
+    def for_target(self, community_id, target_pubkey: bytes) -> DeliveryQuerySet:
+        return self.filter(community_id=community_id, target_pubkey=target_pubkey)
+
+
 class WorkflowAgentDelivery(models.Model):
     """One canonical delivery of a workflow message to one target agent."""
 
@@ -205,6 +231,8 @@ class WorkflowAgentDelivery(models.Model):
     claimed_at = models.DateTimeField(null=True, blank=True)
     finished_at = models.DateTimeField(null=True, blank=True)
     created_at = models.DateTimeField(db_default=TransactionNow(), editable=False)
+
+    objects = DeliveryQuerySet.as_manager()
 
     class Meta:
         db_table = "workflow_agent_deliveries"
