@@ -18,9 +18,14 @@ def main() -> None:
     except ImproperlyConfigured as exc:
         sys.exit(f"configuration error: {exc}")
     except OperationalError as exc:
+        # A server that answered with an error (its own SQLSTATE, not a connection
+        # failure) is a real failure of the command: keep its traceback.
+        sqlstate = getattr(exc.__cause__, "sqlstate", None)
+        if sqlstate and not sqlstate.startswith(("08", "3D", "28", "57P")):
+            raise
         reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         sys.exit(
-            f"database error: {reason}\n"
+            f"database error: cannot use the database: {reason}\n"
             "Check that PostgreSQL is running and that DATABASE_URL points at it "
             "(unset DATABASE_URL to use the embedded server)."
         )

@@ -20,7 +20,20 @@ def _read(name: str, cast, default):
         raise ImproperlyConfigured(f"{name} is malformed: {exc}") from exc
 
 
-DEBUG = _read("DEBUG", bool, True)
+_BOOLEANS = {"1": True, "true": True, "yes": True, "on": True}
+_BOOLEANS.update({"0": False, "false": False, "no": False, "off": False})
+
+
+def _flag(name: str, default: bool) -> bool:
+    raw = env.str(name, default="")
+    if raw == "":
+        return default
+    if raw.strip().lower() not in _BOOLEANS:
+        raise ImproperlyConfigured(f"{name} must be true or false, got {raw!r}.")
+    return _BOOLEANS[raw.strip().lower()]
+
+
+DEBUG = _flag("DEBUG", True)
 
 _DEV_SECRET_KEY = "dev-only-insecure-key-set-SECRET_KEY-in-production"
 SECRET_KEY = _read("SECRET_KEY", str, _DEV_SECRET_KEY if DEBUG else None)
@@ -53,6 +66,10 @@ def _database() -> dict:
 
 DATABASES = {"default": _database()}
 DATABASES["default"].setdefault("CONN_MAX_AGE", 0)
+# Fail fast, with one clear line from manage.py, when the server does not answer.
+DATABASES["default"].setdefault("OPTIONS", {}).setdefault(
+    "connect_timeout", _read("DATABASE_CONNECT_TIMEOUT", int, 10)
+)
 DATABASES["default"]["TEST"] = {"NAME": _read("TEST_DATABASE_NAME", str, None)}
 
 INSTALLED_APPS = [

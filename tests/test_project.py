@@ -1,0 +1,124 @@
+"""The host project: settings from the environment, clear errors, checks, migrations."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from django.core.management import call_command
+from django.db import connection
+from django.db.utils import ConnectionHandler
+from django.test import override_settings
+
+from workflow_delivery import checks
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def manage(*args: str, **env: str) -> subprocess.CompletedProcess:
+    environment = {**os.environ, "DATABASE_CONNECT_TIMEOUT": "3", **env}
+    return subprocess.run(
+        [sys.executable, "manage.py", *args],
+        cwd=ROOT,
+        env=environment,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+@pytest.mark.parametrize(
+    ("env", "expected"),
+    [
+        ({"DATABASE_URL": "mysql://u@127.0.0.1/db"}, "DATABASE_URL must be a PostgreSQL URL"),
+        ({"DATABASE_URL": "postgres://root@127.0.0.1:5432"}, "DATABASE_URL names no database"),
+        ({"DEBUG": "maybe"}, "DEBUG must be true or false"),
+        ({"DEBUG": "false", "SECRET_KEY": ""}, "SECRET_KEY must be set"),
+        ({"WORKFLOW_DELIVERY_MAX_LEASE_SECONDS": "lots"}, "WORKFLOW_DELIVERY_MAX_LEASE_SECONDS"),
+    ],
+)
+def test_bad_configuration_is_one_clear_line(env, expected):
+    result = manage("check", **{"DATABASE_URL": os.environ.get("DATABASE_URL", ""), **env})
+    assert result.returncode != 0
+    assert expected in result.stderr
+    assert "Traceback" not in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "postgres://root@127.0.0.1:1/unreachable",
+        # MariaDB's port: a server that is not PostgreSQL.
+        "postgres://root@127.0.0.1:3306/test",
+    ],
+)
+def test_unusable_database_is_a_clear_error(url):
+    result = manage("migrate", DATABASE_URL=url)
+    assert result.returncode != 0
+    assert result.stderr.startswith("database error: cannot use the database")
+    assert "DATABASE_URL" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_e001_reports_a_database_that_is_not_postgresql(monkeypatch):
+    sqlite = ConnectionHandler(
+        {"default": {"ENGINE": "django.db.backends.sqlite3", "NAME": ":memory:"}}
+    )
+    monkeypatch.setattr(checks, "connections", sqlite)
+    errors = checks.check_postgresql()
+    assert [error.id for error in errors] == ["workflow_delivery.E001"]
+    assert errors[0].msg == checks.E001_MSG.format(alias="default", vendor="sqlite")
+
+
+def test_e001_is_silent_on_postgresql():
+    assert checks.check_postgresql() == []
+
+
+@override_settings(
+    WORKFLOW_DELIVERY_MAX_LEASE_SECONDS=0, WORKFLOW_DELIVERY_REAP_INTERVAL_SECONDS=-1
+)
+def test_settings_checks_report_unusable_values():
+    ids = [error.id for error in checks.check_settings()]
+    assert ids == ["workflow_delivery.E002", "workflow_delivery.E004"]
+
+
+@override_settings(
+    WORKFLOW_DELIVERY_DEFAULT_LEASE_SECONDS=120, WORKFLOW_DELIVERY_MAX_LEASE_SECONDS=60
+)
+def test_settings_check_reports_a_default_above_the_maximum():
+    errors = checks.check_settings()
+    assert [error.id for error in errors] == ["workflow_delivery.E003"]
+    assert errors[0].msg == checks.E003_MSG.format(default=120, maximum=60)
+
+
+def _wd_objects() -> int:
+    with connection.cursor() as cursor:
+        cursor.execute(
+            """
+            SELECT (SELECT count(*) FROM pg_trigger WHERE tgname LIKE 'wd\\_%%')
+                 + (SELECT count(*) FROM pg_proc WHERE proname IN
+                       ('community_write_allowed', 'wd_community_deletion_key'))
+                 + (SELECT count(*) FROM pg_class WHERE relname = 'workflow_agent_deliveries')
+            """
+        )
+        return cursor.fetchone()[0]
+
+
+@pytest.mark.django_db(transaction=True)
+def test_migrations_are_reversible():
+    installed = _wd_objects()
+    assert installed >= 8
+    try:
+        call_command("migrate", "workflow_delivery", "zero", verbosity=0)
+        assert _wd_objects() == 0
+    finally:
+        call_command("migrate", "workflow_delivery", verbosity=0)
+    assert _wd_objects() == installed
+
+
+def test_no_model_change_lacks_a_migration(db):
+    call_command("makemigrations", "workflow_delivery", check=True, dry_run=True, verbosity=0)
