@@ -259,3 +259,17 @@ def test_fence_parity_catches_a_tenant_table_without_the_trigger(db, raw):
     test_parity = test_every_tenant_table_carries_the_fence_trigger
     with pytest.raises(AssertionError):
         test_parity(db, raw)
+
+
+def test_executor_block_that_fails_writes_nothing_and_keeps_no_authority(db):
+    step = fenced_step("fenced")
+    generation = Community.objects.get(pk=step.community.pk).deletion_fence_generation
+    with transaction.atomic():
+        with pytest.raises(RuntimeError), fence.executor_writes(step.community.id, generation):
+            WorkflowRun.objects.filter(community=step.community).update(status="cancelled")
+            raise RuntimeError("executor crashed")
+        assert set(
+            WorkflowRun.objects.filter(community=step.community).values_list("status", flat=True)
+        ) == {"pending"}
+        with pytest.raises(DatabaseError), transaction.atomic():
+            WorkflowRun.objects.filter(community=step.community).update(status="cancelled")

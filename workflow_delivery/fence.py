@@ -93,13 +93,10 @@ def executor_writes(
                 f"(current is {current})"
             )
         cursor.execute(sql.PRESENT_EXECUTOR, [str(community_id), str(generation)])
-        try:
-            yield
-        finally:
-            # The presentation is transaction-local; clear it so an enclosing
-            # transaction does not keep the executor's authority after the block.
-            if not connections[using].needs_rollback:
-                cursor.execute(sql.WITHDRAW_EXECUTOR)
+        yield
+        # The presentation is transaction-local: an error rolls it back with the
+        # block; on success clear it so an enclosing transaction keeps no authority.
+        cursor.execute(sql.WITHDRAW_EXECUTOR)
 
 
 def purge_community(
