@@ -56,6 +56,12 @@ class Community(models.Model):
         db_table = "communities"
         verbose_name_plural = "communities"
         ordering = ["host"]
+        permissions = [
+            ("begin_community_deletion", "Can begin the deletion of a community"),
+            ("fence_community", "Can fence a quiescing community"),
+            ("tombstone_community", "Can tombstone a fenced community"),
+            ("cancel_community_deletion", "Can cancel the deletion of a quiescing community"),
+        ]
         constraints = [
             models.CheckConstraint(condition=~Q(id=NIL_UUID), name="wd_community_id_not_nil"),
             models.CheckConstraint(
@@ -239,6 +245,11 @@ class WorkflowAgentDelivery(models.Model):
         verbose_name = "workflow agent delivery"
         verbose_name_plural = "workflow agent deliveries"
         ordering = ["-created_at", "id"]
+        permissions = [
+            ("reap_deliveries", "Can reap expired delivery leases"),
+            ("release_delivery", "Can release the lease of a claimed delivery"),
+            ("fail_delivery", "Can mark a delivery failed (operator terminal)"),
+        ]
         constraints = [
             models.UniqueConstraint(fields=["community", "id"], name="wd_delivery_tenant_key"),
             models.UniqueConstraint(
