@@ -1,0 +1,367 @@
+"""A realistic demo data set, built only through the service API, and simulated agents.
+
+Every id is derived from a name (uuid5, sha256), so loading twice creates nothing new:
+tenant rows use ``get_or_create`` and the delivery commit skips identities it already
+holds. States are driven only for deliveries created by this load, so a second load
+changes nothing either.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import random
+import threading
+import time
+import uuid
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import timedelta
+from uuid import UUID
+
+from django.contrib.auth import get_user_model
+from django.db import DEFAULT_DB_ALIAS, connections
+from django.utils import timezone
+
+from . import fence, services
+from .models import (
+    Community,
+    DeletionState,
+    Event,
+    RunStatus,
+    Workflow,
+    WorkflowAgentDelivery,
+    WorkflowRun,
+)
+from .protocol import (
+    MESSAGE_KIND,
+    MESSAGE_V1_MARKER,
+    Cause,
+    CauseKind,
+    DeliveryBinding,
+    EventCause,
+    LeaseLost,
+    NewDelivery,
+    Outcome,
+    ScheduleCause,
+    WebhookCause,
+)
+from .runner import StopRequest
+
+logger = logging.getLogger("workflow_delivery.demo")
+
+NAMESPACE = uuid.UUID("6f1d3c1e-8a55-4d6b-9a53-2f8e0c7b9d10")
+HOSTS = ("alpha.demo.buzz", "beta.demo.buzz", "gamma.demo.buzz")
+QUIESCING_HOST = "gamma.demo.buzz"
+AGENTS = ("scout", "scribe", "sentry")
+WORKFLOWS = {
+    "triage": CauseKind.EVENT,
+    "nightly-digest": CauseKind.SCHEDULE,
+    "deploy-hook": CauseKind.WEBHOOK,
+}
+RUNS_PER_WORKFLOW = 2
+RUN_STATUSES = (RunStatus.RUNNING, RunStatus.WAITING_APPROVAL)
+STEPS = ("notify", "follow-up")
+# Where each delivery ends up, cycled per workflow so every cause kind shows every state.
+FATES = ("pending", "claimed", "expired", "finished", "failed")
+WORKING_LEASE_SECONDS = 3600
+EXPIRING_LEASE_SECONDS = 1
+
+
+def demo_uuid(*parts: str) -> UUID:
+    return uuid.uuid5(NAMESPACE, ":".join(parts))
+
+
+def demo_key(*parts: str) -> bytes:
+    return hashlib.sha256(":".join(("buzz-demo", *parts)).encode()).digest()
+
+
+def agent_pubkeys(host: str) -> list[bytes]:
+    return [demo_key(host, "agent", name) for name in AGENTS]
+
+
+@dataclass
+class DemoReport:
+    created: Counter = field(default_factory=Counter)
+    skipped_hosts: list[str] = field(default_factory=list)
+    quiesced_hosts: list[str] = field(default_factory=list)
+
+    def totals(self) -> dict[str, int]:
+        hosts = Community.objects.filter(host__in=HOSTS)
+        return {
+            "communities": hosts.count(),
+            "workflows": Workflow.objects.filter(community__in=hosts).count(),
+            "runs": WorkflowRun.objects.filter(community__in=hosts).count(),
+            "message events": Event.objects.filter(community__in=hosts).count(),
+            "deliveries": WorkflowAgentDelivery.objects.filter(community__in=hosts).count(),
+        }
+
+
+def _cause(kind: CauseKind, name: str, message: Event) -> Cause:
+    if kind == CauseKind.EVENT:
+        return EventCause(demo_key(name, "cause"))
+    if kind == CauseKind.SCHEDULE:
+        return ScheduleCause(message.created_at.replace(minute=0, second=0, microsecond=0))
+    return WebhookCause(demo_uuid(name, "invocation"))
+
+
+def _get_or_create(report: DemoReport, model, **kwargs):
+    row, created = model.objects.get_or_create(**kwargs)
+    report.created[model._meta.verbose_name_plural] += created
+    return row
+
+
+def _message(report: DemoReport, community: Community, name: str, owner: bytes, minutes_ago: int):
+    targets = agent_pubkeys(community.host)
+    tags = [["p", target.hex(), "", MESSAGE_V1_MARKER] for target in targets]
+    tags.append(["p", owner.hex()])  # a plain mention: not a delivery target
+    return _get_or_create(
+        report,
+        Event,
+        id=demo_key(name, "message"),
+        defaults={
+            "community": community,
+            "created_at": timezone.now().replace(microsecond=0) - timedelta(minutes=minutes_ago),
+            "kind": MESSAGE_KIND,
+            "pubkey": owner,
+            "content": f"{name}: please take a look",
+            "tags": tags,
+        },
+    )
+
+
+def _drive(delivery: NewDelivery, fate: str, expiring: list[UUID]) -> None:
+    """Move a freshly created delivery to its fate through claim, renew and finish."""
+    if fate == "pending":
+        return
+    binding = delivery.binding
+    seconds = EXPIRING_LEASE_SECONDS if fate == "expired" else WORKING_LEASE_SECONDS
+    lease, _ = services.claim_delivery(
+        binding.community_id,
+        binding.target_pubkey,
+        delivery_id=delivery.id,
+        expected=binding,
+        lease_seconds=seconds,
+    )
+    if fate == "expired":
+        expiring.append(delivery.id)
+    elif fate in (Outcome.FINISHED, Outcome.FAILED):
+        services.renew_delivery(lease, lease_seconds=WORKING_LEASE_SECONDS)
+        services.finish_delivery(lease, Outcome(fate))
+
+
+def _load_step(
+    report: DemoReport,
+    run: WorkflowRun,
+    flow: Workflow,
+    step_id: str,
+    cause_kind: CauseKind,
+    minutes_ago: int,
+) -> tuple[list[NewDelivery], set[UUID]]:
+    """Commit one step's deliveries, storing its message in the same transaction."""
+    community = run.community
+    name = f"{community.host}:{flow.name}:{run.id}:{step_id}"
+    with services.delivery_identity(community.id, run.id, step_id) as step:
+        message = _message(report, community, name, bytes(flow.owner_pubkey), minutes_ago)
+        cause = _cause(cause_kind, name, message)
+        batch = []
+        for target in agent_pubkeys(community.host):
+            binding = DeliveryBinding(
+                community_id=community.id,
+                workflow_id=flow.id,
+                run_id=run.id,
+                step_id=step_id,
+                target_pubkey=target,
+                definition_event_id=bytes(flow.definition_event_id),
+                message_event_id=bytes(message.id),
+                cause=cause,
+            )
+            binding.validate_message_event(message.kind, bytes(message.id), message.tags)
+            batch.append(NewDelivery(demo_uuid(name, target.hex()), binding))
+        created = set(step.commit(message.created_at, batch))
+    report.created["deliveries"] += len(created)
+    return batch, created
+
+
+def _load_workflow(
+    report: DemoReport,
+    community: Community,
+    flow_index: int,
+    flow_name: str,
+    cause_kind: CauseKind,
+    expiring: list[UUID],
+) -> None:
+    host = community.host
+    flow = _get_or_create(
+        report,
+        Workflow,
+        id=demo_uuid(host, flow_name),
+        defaults={
+            "community": community,
+            "name": flow_name,
+            "owner_pubkey": demo_key(host, flow_name, "owner"),
+            "definition": {
+                "trigger": cause_kind.value,
+                "steps": [{"id": step, "action": "send_message"} for step in STEPS],
+            },
+            "definition_event_id": demo_key(host, flow_name, "definition"),
+        },
+    )
+    fates = iter(FATES * len(AGENTS) * len(STEPS) * RUNS_PER_WORKFLOW)
+    for run_index in range(RUNS_PER_WORKFLOW):
+        run = _get_or_create(
+            report,
+            WorkflowRun,
+            id=demo_uuid(host, flow_name, f"run-{run_index}"),
+            defaults={
+                "community": community,
+                "workflow": flow,
+                "status": RUN_STATUSES[run_index % len(RUN_STATUSES)],
+                "definition_event_id": flow.definition_event_id,
+            },
+        )
+        for step_index, step_id in enumerate(STEPS):
+            minutes_ago = 90 - 20 * flow_index - 10 * run_index - 3 * step_index
+            batch, created = _load_step(report, run, flow, step_id, cause_kind, minutes_ago)
+            for delivery, fate in zip(batch, fates, strict=False):
+                if delivery.id in created:
+                    _drive(delivery, fate, expiring)
+
+
+def _load_community(report: DemoReport, host: str, expiring: list[UUID]) -> None:
+    community = _get_or_create(report, Community, id=demo_uuid(host), defaults={"host": host})
+    if community.deletion_state != DeletionState.ACTIVE:
+        # Its data was loaded before it was fenced, and a fenced tenant takes no writes.
+        report.skipped_hosts.append(host)
+        return
+    for flow_index, (flow_name, cause_kind) in enumerate(WORKFLOWS.items()):
+        _load_workflow(report, community, flow_index, flow_name, cause_kind, expiring)
+
+
+def _wait_until_expired(delivery_ids: list[UUID], using: str) -> None:
+    """Leases of one second, waited out by the database clock (which is what the
+    reaper compares with), so no lease is ever forged into the past."""
+    expired = WorkflowAgentDelivery.objects.using(using).filter(id__in=delivery_ids)
+    while expired.expired_leases().count() < len(delivery_ids):
+        time.sleep(0.1)
+
+
+def load_demo_data(*, using: str = DEFAULT_DB_ALIAS) -> DemoReport:
+    """Create (or complete) the demo data set and return what was created."""
+    if connections[using].in_atomic_block:
+        raise RuntimeError(
+            "the demo waits for leases to expire by the database clock, which stands "
+            "still inside a transaction: load it in autocommit mode"
+        )
+    report = DemoReport()
+    expiring: list[UUID] = []
+    for host in HOSTS:
+        _load_community(report, host, expiring)
+    _wait_until_expired(expiring, using)
+    quiescing = Community.objects.using(using).get(host=QUIESCING_HOST)
+    if quiescing.deletion_state == DeletionState.ACTIVE:
+        fence.transition_community(quiescing.id, DeletionState.QUIESCING, using=using)
+        report.quiesced_hosts.append(QUIESCING_HOST)
+    return report
+
+
+def ensure_superuser(username: str, password: str) -> bool:
+    """Create the local superuser, or reset its password; True when created."""
+    user, created = get_user_model().objects.get_or_create(username=username)
+    user.is_staff = user.is_superuser = user.is_active = True
+    user.set_password(password)
+    user.save()
+    return created
+
+
+class AgentTally:
+    """Counts of what the simulated agents did, shared between their threads."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.counts: Counter = Counter()
+
+    def add(self, what: str) -> None:
+        with self._lock:
+            self.counts[what] += 1
+
+    def snapshot(self) -> dict[str, int]:
+        with self._lock:
+            return dict(self.counts)
+
+
+@dataclass(frozen=True, slots=True)
+class Agent:
+    community_id: UUID
+    target_pubkey: bytes
+    seed: int
+    crash_rate: float = 0.15
+    lease_seconds: int = 2
+
+    def run(self, deadline: float, stop: StopRequest, tally: AgentTally) -> None:
+        rng = random.Random(self.seed)
+        try:
+            while not stop and time.monotonic() < deadline:
+                claimed = services.claim_delivery(
+                    self.community_id, self.target_pubkey, lease_seconds=self.lease_seconds
+                )
+                if claimed is None:
+                    stop.sleep(0.2)
+                    continue
+                lease, _ = claimed
+                tally.add("claimed")
+                stop.sleep(rng.uniform(0.05, 0.4))
+                if rng.random() < 0.5:
+                    renewed = services.renew_delivery(lease, lease_seconds=self.lease_seconds)
+                    tally.add("lost" if isinstance(renewed, LeaseLost) else "renewed")
+                if rng.random() < self.crash_rate:
+                    tally.add("crashed")  # abandons the lease; the reaper takes it back
+                    continue
+                outcome = Outcome.FAILED if rng.random() < 0.1 else Outcome.FINISHED
+                result = services.finish_delivery(lease, outcome)
+                tally.add("lost" if isinstance(result, LeaseLost) else outcome.value)
+        except Exception:
+            logger.exception("simulated agent %s stopped on an error", self.target_pubkey.hex())
+            tally.add("errors")
+        finally:
+            # Each thread has its own connection; a leaked one would outlive the run.
+            connections.close_all()
+
+
+def demo_agents(count: int) -> list[Agent]:
+    """``count`` agents over the demo identities of the active demo communities."""
+    active = Community.objects.filter(host__in=HOSTS, deletion_state=DeletionState.ACTIVE)
+    communities = list(active.order_by("host"))
+    # Interleaved, so a few agents already spread over every active community.
+    identities = [
+        (c.id, agent_pubkeys(c.host)[index]) for index in range(len(AGENTS)) for c in communities
+    ]
+    if not identities:
+        return []
+    return [Agent(*identities[i % len(identities)], seed=i) for i in range(count)]
+
+
+def simulate_agents(
+    agents: list[Agent],
+    seconds: float,
+    stop: StopRequest,
+    on_tick: Callable[[float, dict[str, int]], None] | None = None,
+) -> dict[str, int]:
+    """Run the agents in threads for ``seconds`` or until ``stop``; return the tally."""
+    tally = AgentTally()
+    started = time.monotonic()
+    deadline = started + seconds
+    threads = [
+        threading.Thread(target=agent.run, args=(deadline, stop, tally), name=f"agent-{i}")
+        for i, agent in enumerate(agents)
+    ]
+    for thread in threads:
+        thread.start()
+    while not stop and time.monotonic() < deadline:
+        stop.sleep(min(0.5, max(0.0, deadline - time.monotonic())))
+        if on_tick is not None:
+            on_tick(min(seconds, time.monotonic() - started), tally.snapshot())
+    for thread in threads:
+        thread.join()
+    return tally.snapshot()

@@ -1,0 +1,106 @@
+"""Return expired leases to pending: one sweep, or a loop until SIGTERM/SIGINT."""
+
+from __future__ import annotations
+
+import logging
+from argparse import ArgumentParser
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from django.core.management.base import BaseCommand, CommandError
+
+from workflow_delivery.conf import app_settings
+from workflow_delivery.runner import Reaper, Sweep, logger, stop_on_signals
+
+VERBOSITY_LEVELS = {0: logging.WARNING, 1: logging.INFO}
+
+
+@contextmanager
+def _log_level(verbosity: int) -> Iterator[None]:
+    previous = logger.level
+    logger.setLevel(VERBOSITY_LEVELS.get(verbosity, logging.DEBUG))
+    try:
+        yield
+    finally:
+        logger.setLevel(previous)
+
+
+def _positive(option: str, value: Any, *, whole: bool) -> Any:
+    # Checked here rather than by argparse, so call_command(interval=0) is refused too.
+    kinds = int if whole else int | float
+    if isinstance(value, bool) or not isinstance(value, kinds) or not value > 0:
+        noun = "whole number" if whole else "number of seconds"
+        raise CommandError(f"{option} must be a positive {noun}, not {value!r}")
+    return value
+
+
+class Command(BaseCommand):
+    help = (
+        "Return expired leases of active communities to pending, bumping their fence. "
+        "One sweep by default; --loop sweeps every --interval seconds until SIGTERM or "
+        "SIGINT (the current batch finishes; a second signal exits at once)."
+    )
+
+    def add_arguments(self, parser: ArgumentParser) -> None:
+        parser.add_argument("--loop", action="store_true", help="keep sweeping until stopped")
+        parser.add_argument(
+            "--interval",
+            type=float,
+            help="seconds between sweeps (default: WORKFLOW_DELIVERY_REAP_INTERVAL_SECONDS)",
+        )
+        parser.add_argument(
+            "--batch-size",
+            type=int,
+            help="rows reclaimed per batch (default: WORKFLOW_DELIVERY_REAP_BATCH_SIZE)",
+        )
+        parser.add_argument(
+            "--max-sweeps",
+            type=int,
+            help="end the loop after this many sweeps, failed ones included",
+        )
+        parser.add_argument(
+            "--dry-run",
+            action="store_true",
+            help="count what would be reclaimed, per community, without writing",
+        )
+
+    def handle(self, *args: Any, **options: Any) -> None:
+        loop = options["loop"]
+        for name in ("interval", "max_sweeps"):
+            if options[name] is not None and not loop:
+                raise CommandError(f"--{name.replace('_', '-')} applies only with --loop")
+        interval = options["interval"]
+        if interval is None:
+            interval = app_settings.REAP_INTERVAL_SECONDS
+        batch_size = options["batch_size"]
+        if batch_size is None:
+            batch_size = app_settings.REAP_BATCH_SIZE
+        _positive("--interval", interval, whole=False)
+        _positive("--batch-size", batch_size, whole=True)
+        if options["max_sweeps"] is not None:
+            _positive("--max-sweeps", options["max_sweeps"], whole=True)
+        reaper = Reaper(batch_size=batch_size, dry_run=options["dry_run"])
+        with _log_level(options["verbosity"]):
+            if loop:
+                self._loop(reaper, interval, options["max_sweeps"])
+            else:
+                self._report(reaper.sweep())
+
+    def _report(self, sweep: Sweep) -> None:
+        verb = "would reclaim" if sweep.dry_run else "reclaimed"
+        for host, count in sweep.by_community.items():
+            self.stdout.write(f"{host}: {verb} {count}")
+        self.stdout.write(
+            f"{verb} {sweep.reclaimed} expired leases; skipped {sweep.skipped_inactive} "
+            f"in communities that are not active; {sweep.seconds:.3f} s"
+        )
+
+    def _loop(self, reaper: Reaper, interval: float, max_sweeps: int | None) -> None:
+        with stop_on_signals() as stop:
+            summary = reaper.loop(interval=interval, stop=stop, max_sweeps=max_sweeps)
+        ending = f"stopped by {summary.stopped_by}" if summary.stopped_by else "done"
+        self.stdout.write(
+            f"{ending}: {summary.sweeps} sweeps ({summary.failed} failed), "
+            f"reclaimed {summary.reclaimed} expired leases"
+        )

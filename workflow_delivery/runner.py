@@ -1,0 +1,213 @@
+"""Machinery of the long-running commands: polite signal handling and the reaper loop.
+
+Commands stay thin: they parse arguments, build a ``Reaper`` and report. The loop
+survives a database that goes away (it logs, backs off and reconnects) and stops
+between batches when asked to.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from types import FrameType
+
+from django.db import (
+    DEFAULT_DB_ALIAS,
+    InterfaceError,
+    OperationalError,
+    close_old_connections,
+    connections,
+)
+from django.db.models import Count
+
+from . import services
+from .models import WorkflowAgentDelivery
+
+logger = logging.getLogger("workflow_delivery.reaper")
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+# Errors of a connection that went away; anything else is a bug and ends the loop.
+CONNECTION_ERRORS = (OperationalError, InterfaceError)
+
+
+class StopRequest:
+    """Set by the first SIGTERM/SIGINT (or ``request``); a second signal exits at once."""
+
+    def __init__(self) -> None:
+        # A plain flag, not a threading.Event: a signal handler must take no lock.
+        self._stopped = False
+        self.signal_name: str | None = None
+
+    def __bool__(self) -> bool:
+        return self._stopped
+
+    def request(self, name: str) -> None:
+        self.signal_name = self.signal_name or name
+        self._stopped = True
+
+    def sleep(self, seconds: float) -> None:
+        """Sleep up to ``seconds``, waking early once a stop is requested."""
+        deadline = time.monotonic() + seconds
+        while not self._stopped and (remaining := deadline - time.monotonic()) > 0:
+            time.sleep(min(remaining, 0.05))
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        name = signal.Signals(signum).name
+        if self._stopped:
+            logger.warning("second %s: exiting at once", name)
+            raise SystemExit(128 + signum)
+        logger.info("%s received: finishing the current batch, then stopping", name)
+        self.request(name)
+
+
+@contextmanager
+def stop_on_signals() -> Iterator[StopRequest]:
+    """Catch SIGTERM/SIGINT for the duration of the block and restore the previous
+    handlers after it. Outside the main thread signals cannot be caught; the block
+    then only stops when ``request`` is called."""
+    stop = StopRequest()
+    if threading.current_thread() is not threading.main_thread():
+        yield stop
+        return
+    previous = {signum: signal.signal(signum, stop._handle) for signum in STOP_SIGNALS}
+    try:
+        yield stop
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+
+
+@dataclass(frozen=True, slots=True)
+class Sweep:
+    """What one pass of the reaper did (or, dry, would do)."""
+
+    number: int
+    reclaimed: int
+    skipped_inactive: int
+    batches: int
+    seconds: float
+    dry_run: bool = False
+    by_community: dict[str, int] = field(default_factory=dict)
+
+    def log_line(self) -> str:
+        parts = {
+            "sweep": self.number,
+            "would_reclaim" if self.dry_run else "reclaimed": self.reclaimed,
+            "skipped_inactive": self.skipped_inactive,
+            "batches": self.batches,
+            "seconds": f"{self.seconds:.3f}",
+        }
+        return " ".join(f"{key}={value}" for key, value in parts.items())
+
+
+@dataclass(frozen=True, slots=True)
+class LoopSummary:
+    sweeps: int
+    failed: int
+    reclaimed: int
+    stopped_by: str | None
+
+
+class Reaper:
+    """Sweeps expired leases back to pending: once, or in a loop until stopped."""
+
+    def __init__(
+        self,
+        *,
+        batch_size: int,
+        dry_run: bool = False,
+        using: str = DEFAULT_DB_ALIAS,
+        max_backoff: float = 5.0,
+    ) -> None:
+        self.batch_size = batch_size
+        self.dry_run = dry_run
+        self.using = using
+        self.max_backoff = max_backoff
+
+    def _expired(self):
+        return WorkflowAgentDelivery.objects.using(self.using).expired_leases()
+
+    def sweep(self, number: int = 1, stop: StopRequest | None = None) -> Sweep:
+        started = time.monotonic()
+        if self.dry_run:
+            rows = (
+                self._expired()
+                .in_active_communities()
+                .values_list("community__host")
+                .annotate(count=Count("id"))
+                .order_by("community__host")
+            )
+            by_community = dict(rows)
+            reclaimed, batches = sum(by_community.values()), 0
+        else:
+            by_community = {}
+            batch_counts: list[int] = []
+            reclaimed = services.reap_expired_deliveries(
+                batch_size=self.batch_size,
+                on_batch=lambda count, seconds: self._on_batch(batch_counts, count, seconds),
+                should_stop=(lambda: bool(stop)) if stop is not None else None,
+                using=self.using,
+            )
+            batches = len(batch_counts)
+        skipped = self._expired().in_fenced_communities().count()
+        return Sweep(
+            number=number,
+            reclaimed=reclaimed,
+            skipped_inactive=skipped,
+            batches=batches,
+            seconds=time.monotonic() - started,
+            dry_run=self.dry_run,
+            by_community=by_community,
+        )
+
+    @staticmethod
+    def _on_batch(counts: list[int], count: int, seconds: float) -> None:
+        counts.append(count)
+        logger.debug("batch=%s reclaimed=%s seconds=%.3f", len(counts), count, seconds)
+
+    def loop(
+        self,
+        *,
+        interval: float,
+        stop: StopRequest,
+        max_sweeps: int | None = None,
+    ) -> LoopSummary:
+        """Sweep every ``interval`` seconds until ``stop`` is set or ``max_sweeps``
+        passes (failed ones included, so a bounded run ends even on a dead database)."""
+        number = failed = reclaimed = 0
+        backoff = 0.0
+        while not stop and (max_sweeps is None or number < max_sweeps):
+            number += 1
+            # Drop a connection that is broken or past CONN_MAX_AGE before each pass,
+            # as Django does around a request.
+            close_old_connections()
+            try:
+                result = self.sweep(number, stop)
+            except CONNECTION_ERRORS:
+                failed += 1
+                backoff = min(self.max_backoff, backoff * 2 or 0.5)
+                logger.exception(
+                    "sweep=%s error=database_unavailable retry_in=%.1f", number, backoff
+                )
+                self._discard_connection()
+                pause = backoff
+            else:
+                backoff = 0.0
+                reclaimed += result.reclaimed
+                logger.info("%s", result.log_line())
+                pause = interval
+            if not stop and (max_sweeps is None or number < max_sweeps):
+                stop.sleep(pause)
+        return LoopSummary(number, failed, reclaimed, stop.signal_name)
+
+    def _discard_connection(self) -> None:
+        # The next pass reconnects; closing a dead connection may itself fail.
+        try:
+            connections[self.using].close()
+        except CONNECTION_ERRORS:
+            logger.debug("closing the broken connection failed", exc_info=True)
