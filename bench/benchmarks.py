@@ -1,0 +1,287 @@
+"""The benchmarks of issue #5. Each returns figures: a measured value, the baseline
+it is compared with (measured in the same invocation, on the same database), and
+the bar it must meet."""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from statistics import mean
+
+from tqdm import tqdm
+
+from bench import common
+from bench.workers import BASELINE, SERVICE, Phase, Spec, run_phase, sleep_window
+
+# Claim + finish cycles one second of a phase may consume at most on this class of
+# machine; pending rows are seeded for that, so no phase runs dry.
+CYCLES_PER_SECOND_CEILING = 4000
+REAP_COMMUNITIES = 4
+
+
+@dataclass
+class Options:
+    seconds: float = 10.0
+    warmup: float = 1.0
+    workers: int | None = None
+    rows: int = 1_000_000
+    rounds: int = 2
+
+
+@dataclass
+class Figure:
+    """``bar`` is a minimum ratio (``value / baseline``) unless ``bar_below`` is set,
+    in which case ``value`` must stay under ``bar``."""
+
+    benchmark: str
+    name: str
+    value: float
+    baseline: float | None
+    unit: str
+    bar: float | None = None
+    bar_below: bool = False
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def ratio(self) -> float | None:
+        if self.baseline in (None, 0):
+            return None
+        return self.value / self.baseline
+
+    @property
+    def met(self) -> bool | None:
+        if self.bar is None:
+            return None
+        if self.bar_below:
+            return self.value < self.bar
+        return self.ratio is not None and self.ratio >= self.bar
+
+    def as_dict(self) -> dict[str, object]:
+        return {**asdict(self), "ratio": self.ratio, "met": self.met}
+
+
+def _pending_rows(options: Options, windows: float = 1.0) -> int:
+    seconds = options.warmup + options.seconds * windows + 2
+    return max(2_000, math.ceil(seconds * CYCLES_PER_SECOND_CEILING))
+
+
+def _notes(phase: Phase) -> list[str]:
+    notes = []
+    if phase.misses:
+        notes.append(f"{phase.misses} claims found nothing (seed ran dry or lost a race)")
+    if phase.anomalies:
+        notes.append(f"{phase.anomalies} finishes did not settle")
+    return notes
+
+
+def _cycle_phase(
+    db: common.BenchDb,
+    api: str,
+    workers: int,
+    options: Options,
+    desc: str,
+    *,
+    history: int = 0,
+    neighbour: int = 0,
+) -> Phase:
+    """Claim + finish loops on a freshly seeded community of pending rows, optionally
+    behind ``history`` terminal rows of the same targets or beside a ``neighbour``
+    community holding that many pending rows."""
+    with db.connect() as conn:
+        common.truncate_deliveries(conn)
+        tenant = common.create_tenant(conn, "cycle")
+        if history:
+            common.seed_deliveries(conn, tenant, history, state=common.TERMINAL, prefix="old-")
+        if neighbour:
+            other = common.create_tenant(conn, "busy")
+            common.seed_deliveries(conn, other, neighbour, state=common.PENDING)
+        common.seed_deliveries(conn, tenant, _pending_rows(options), state=common.PENDING)
+        common.vacuum(conn)
+    specs = [Spec("cycle", api, i, db, tenant) for i in range(workers)]
+    return run_phase(specs, seconds=options.seconds, warmup=options.warmup, desc=desc)
+
+
+def throughput(db: common.BenchDb, options: Options) -> list[Figure]:
+    workers = options.workers or 8
+    rates: dict[str, list[float]] = {SERVICE: [], BASELINE: []}
+    notes: list[str] = []
+    for round_ in range(1, options.rounds + 1):
+        # Alternating keeps a drift in machine load from favouring either side.
+        for api in (BASELINE, SERVICE):
+            phase = _cycle_phase(db, api, workers, options, f"throughput {api} #{round_}")
+            rates[api].append(phase.rate())
+            notes += [f"{api}: {note}" for note in _notes(phase)]
+    return [
+        Figure(
+            "throughput",
+            f"claim+finish, {workers} workers",
+            mean(rates[SERVICE]),
+            mean(rates[BASELINE]),
+            "cycles/s",
+            bar=0.8,
+            notes=notes,
+        )
+    ]
+
+
+def producer(db: common.BenchDb, options: Options) -> list[Figure]:
+    workers = options.workers or 8
+    figures = []
+    for size in (1, 10):
+        rates: dict[str, list[float]] = {SERVICE: [], BASELINE: []}
+        for round_ in range(1, options.rounds + 1):
+            for api in (BASELINE, SERVICE):
+                with db.connect() as conn:
+                    common.truncate_deliveries(conn)
+                    tenant = common.create_tenant(conn, "producer")
+                specs = [
+                    Spec("produce", api, i, db, tenant, step_size=size, label=f"{api}{round_}")
+                    for i in range(workers)
+                ]
+                desc = f"producer {size}-target {api} #{round_}"
+                phase = run_phase(specs, seconds=options.seconds, warmup=options.warmup, desc=desc)
+                rates[api].append(phase.rate())
+        figures.append(
+            Figure(
+                "producer",
+                f"{size}-target steps, {workers} workers",
+                mean(rates[SERVICE]),
+                mean(rates[BASELINE]),
+                "deliveries/s",
+                bar=0.7,
+            )
+        )
+    return figures
+
+
+def history(db: common.BenchDb, options: Options) -> list[Figure]:
+    workers = options.workers or 8
+    empty = _cycle_phase(db, SERVICE, workers, options, "history: none")
+    full = _cycle_phase(
+        db, SERVICE, workers, options, f"history: {options.rows:,}", history=options.rows
+    )
+    return [
+        Figure(
+            "history",
+            f"claim+finish with {options.rows:,} terminal rows vs none, {workers} workers",
+            full.rate(),
+            empty.rate(),
+            "cycles/s",
+            bar=0.9,
+            notes=_notes(empty) + _notes(full),
+        )
+    ]
+
+
+def isolation(db: common.BenchDb, options: Options) -> list[Figure]:
+    workers = options.workers or 8
+    busy = options.rows // 5
+    alone = _cycle_phase(db, SERVICE, workers, options, "isolation: alone")
+    beside = _cycle_phase(
+        db, SERVICE, workers, options, f"isolation: beside {busy:,}", neighbour=busy
+    )
+    return [
+        Figure(
+            "isolation",
+            f"quiet community beside {busy:,} pending vs alone, {workers} workers",
+            beside.rate(),
+            alone.rate(),
+            "claims/s",
+            bar=0.9,
+            notes=_notes(alone) + _notes(beside),
+        )
+    ]
+
+
+def reap(db: common.BenchDb, options: Options) -> list[Figure]:
+    from workflow_delivery import services
+
+    workers = options.workers or 4
+    expired = options.rows // 10
+    with db.connect() as conn:
+        common.truncate_deliveries(conn)
+        tenant = common.create_tenant(conn, "load")
+        for n in range(REAP_COMMUNITIES):
+            share = expired // REAP_COMMUNITIES + (n < expired % REAP_COMMUNITIES)
+            lapsed = common.create_tenant(conn, f"lapsed{n}")
+            common.seed_deliveries(conn, lapsed, share, state=common.EXPIRED)
+        common.seed_deliveries(conn, tenant, _pending_rows(options, 3), state=common.PENDING)
+        common.vacuum(conn)
+    batches: list[tuple[int, float]] = []
+    reclaimed = 0
+
+    def driver() -> dict[str, tuple[float, float]]:
+        nonlocal reclaimed
+        quiet = sleep_window(options.seconds, "reap: workers alone")
+        with tqdm(total=expired, desc="reap", unit="row", unit_scale=True, leave=False) as bar:
+
+            def on_batch(count: int, seconds: float) -> None:
+                batches.append((count, seconds))
+                bar.update(count)
+
+            started = time.monotonic()
+            reclaimed = services.reap_expired_deliveries(on_batch=on_batch)
+            ended = time.monotonic()
+        return {"quiet": quiet, "reap": (started, ended)}
+
+    specs = [Spec("cycle", SERVICE, i, db, tenant) for i in range(workers)]
+    phase = run_phase(
+        specs, seconds=options.seconds, warmup=options.warmup, desc="reap", driver=driver
+    )
+    start, end = phase.windows["reap"]
+    notes = _notes(phase)
+    if reclaimed != expired:
+        notes.append(f"reclaimed {reclaimed:,} of {expired:,} expired leases")
+    longest = max((seconds for _, seconds in batches), default=0.0)
+    return [
+        Figure(
+            "reap",
+            f"worker rate during the reap vs without, {workers} workers",
+            phase.rate("reap"),
+            phase.rate("quiet"),
+            "cycles/s",
+            bar=0.7,
+            notes=notes,
+        ),
+        Figure("reap", f"reap of {expired:,} expired leases, total", end - start, None, "s"),
+        Figure(
+            "reap",
+            f"longest reap batch ({len(batches)} batches)",
+            longest,
+            None,
+            "s",
+            bar=1.0,
+            bar_below=True,
+        ),
+    ]
+
+
+def latency(db: common.BenchDb, options: Options) -> list[Figure]:
+    figures = []
+    for workers in (1, options.workers or 8):
+        phases = {
+            api: _cycle_phase(db, api, workers, options, f"latency {api}, {workers} workers")
+            for api in (BASELINE, SERVICE)
+        }
+        for which, op in (("first", "claim"), ("second", "finish")):
+            for q in (50, 99):
+                value, base = (
+                    common.percentile(phases[api].latencies(which), q) * 1000
+                    for api in (SERVICE, BASELINE)
+                )
+                figures.append(
+                    Figure("latency", f"{op} p{q}, {workers} worker(s)", value, base, "ms")
+                )
+    return figures
+
+
+BENCHMARKS: dict[str, Callable[[common.BenchDb, Options], list[Figure]]] = {
+    "throughput": throughput,
+    "producer": producer,
+    "history": history,
+    "isolation": isolation,
+    "reap": reap,
+    "latency": latency,
+}

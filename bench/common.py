@@ -1,0 +1,246 @@
+"""What every harness under ``bench/`` shares: a private database, Django pointed at
+it (in the parent and in each worker process), raw psycopg connections, and
+set-based seeding of tenants and deliveries.
+
+API (stable for ``bench/chaos.py`` and friends):
+
+- ``bench_database(prefix="buzz_bench")``: context manager; creates, migrates and
+  finally drops a fresh database on the configured server and yields a ``BenchDb``.
+- ``setup_django(name)``: in a worker process, point Django at database ``name``.
+- ``BenchDb.connect()`` / ``connect(conninfo)``: an autocommit psycopg connection.
+- ``create_tenant(conn, label)`` → ``Tenant``; ``seed_deliveries(conn, tenant, count,
+  state=…)``; ``truncate_deliveries(conn)``; ``vacuum(conn)``.
+- ``target_key(i)``: the 32-byte pubkey of target ``i``; ``TARGETS`` = 64.
+- ``percentile(values, q)``.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import psycopg
+from tqdm import tqdm
+
+ROOT = Path(__file__).resolve().parent.parent
+TARGETS = 64
+SEED_CHUNK = 50_000
+
+PENDING = "pending"
+TERMINAL = "finished"
+EXPIRED = "expired"
+
+
+def _environment() -> None:
+    if str(ROOT) not in sys.path:
+        sys.path.insert(0, str(ROOT))
+    os.environ.setdefault("DJANGO_SETTINGS_MODULE", "buzz_project.settings")
+    # Benchmarks measure the app, not Django's debug query log.
+    os.environ["DEBUG"] = "false"
+    os.environ.setdefault("SECRET_KEY", "bench-only-not-a-secret")
+
+
+def server_settings() -> dict[str, Any]:
+    """The configured database entry (DATABASE_URL or the embedded server)."""
+    _environment()
+    from django.conf import settings
+
+    return dict(settings.DATABASES["default"])
+
+
+def setup_django(name: str) -> None:
+    """Point this process's Django at database ``name`` and set it up. Must run
+    before anything opens a connection (the app's ``sql`` module does at import)."""
+    _environment()
+    import django
+    from django.conf import settings
+
+    settings.DATABASES["default"]["NAME"] = name
+    django.setup()
+
+
+def conninfo(entry: dict[str, Any], name: str) -> dict[str, Any]:
+    info = {"dbname": name, "user": entry.get("USER") or None}
+    if entry.get("HOST"):
+        info["host"] = entry["HOST"]
+    if entry.get("PORT"):
+        info["port"] = str(entry["PORT"])
+    if entry.get("PASSWORD"):
+        info["password"] = entry["PASSWORD"]
+    return info
+
+
+def connect(info: dict[str, Any]) -> psycopg.Connection:
+    return psycopg.connect(**info, autocommit=True)
+
+
+@dataclass(frozen=True)
+class BenchDb:
+    name: str
+    conninfo: dict[str, Any]
+
+    def connect(self) -> psycopg.Connection:
+        return connect(self.conninfo)
+
+
+def _raise_exit(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)
+
+
+@contextmanager
+def bench_database(prefix: str = "buzz_bench", *, quiet: bool = False) -> Iterator[BenchDb]:
+    """Create ``<prefix>_<pid>`` on the configured server, migrate it, and drop it at
+    the end, also on Ctrl-C or SIGTERM. No other database is touched."""
+    entry = server_settings()
+    name = f"{prefix}_{os.getpid()}"
+    admin = conninfo(entry, "postgres")
+    previous = signal.signal(signal.SIGTERM, _raise_exit)
+    with connect(admin) as conn:
+        conn.execute(f'CREATE DATABASE "{name}"')
+    try:
+        setup_django(name)
+        from django.core.management import call_command
+
+        call_command("migrate", verbosity=0 if quiet else 1, interactive=False)
+        yield BenchDb(name, conninfo(entry, name))
+    finally:
+        from django.db import connections
+
+        connections.close_all()
+        # FORCE ends any connection a killed worker may have left behind.
+        with connect(admin) as conn:
+            conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+        signal.signal(signal.SIGTERM, previous)
+
+
+def target_key(index: int) -> bytes:
+    return (index % TARGETS).to_bytes(32, "big")
+
+
+@dataclass(frozen=True)
+class Tenant:
+    community_id: uuid.UUID
+    workflow_id: uuid.UUID
+    run_id: uuid.UUID
+    message_id: bytes
+    message_created_at: datetime
+    definition_id: bytes
+    cause_id: bytes
+
+
+def create_tenant(conn: psycopg.Connection, label: str) -> Tenant:
+    """One community with a workflow, a run and its visible message (kind 9)."""
+    community, workflow, run = uuid.uuid4(), uuid.uuid4(), uuid.uuid4()
+    message = os.urandom(32)
+    with conn.transaction():
+        conn.execute(
+            "INSERT INTO communities (id, host) VALUES (%s, %s)",
+            [community, f"{label}-{community.hex[:8]}.bench"],
+        )
+        conn.execute(
+            "INSERT INTO workflows (id, community_id, name, owner_pubkey, definition) "
+            "VALUES (%s, %s, 'bench', %s, '{}')",
+            [workflow, community, os.urandom(32)],
+        )
+        conn.execute(
+            "INSERT INTO workflow_runs (id, community_id, workflow_id) VALUES (%s, %s, %s)",
+            [run, community, workflow],
+        )
+        created_at = conn.execute(
+            "INSERT INTO events (id, community_id, created_at, kind, pubkey, content, tags) "
+            "VALUES (%s, %s, date_trunc('second', now()), 9, %s, 'bench', '[]') "
+            "RETURNING created_at",
+            [message, community, os.urandom(32)],
+        ).fetchone()[0]
+    return Tenant(community, workflow, run, message, created_at, os.urandom(32), os.urandom(32))
+
+
+_STATE_COLUMNS = {
+    PENDING: ("'pending'", "0", "NULL", "NULL", "NULL"),
+    TERMINAL: ("'finished'", "1", "NULL", "NULL", "now()"),
+    EXPIRED: ("'claimed'", "1", "now() - interval '1 hour'", "now() - interval '2 hours'", "NULL"),
+}
+
+# Rows are spread round-robin over the 64 targets; created_at rises with g so the
+# oldest-first order is well defined without ties.
+_SEED = """
+INSERT INTO workflow_agent_deliveries (
+    id, community_id, workflow_id, run_id, step_id, target_pubkey, definition_event_id,
+    message_event_id, message_event_created_at, cause_kind, cause_event_id,
+    status, lease_generation, lease_until, claimed_at, finished_at, created_at)
+SELECT gen_random_uuid(), %(community)s, %(workflow)s, %(run)s,
+       %(prefix)s || g, decode(lpad(to_hex(g %% {targets}), 64, '0'), 'hex'), %(definition)s,
+       %(message)s, %(message_at)s, 'event', %(cause)s,
+       {status}, {generation}, {lease_until}, {claimed_at}, {finished_at},
+       now() - interval '1 hour' + g * interval '1 microsecond'
+  FROM generate_series(%(first)s::int, %(last)s::int) AS g
+"""
+
+
+def seed_deliveries(
+    conn: psycopg.Connection,
+    tenant: Tenant,
+    count: int,
+    *,
+    state: str = PENDING,
+    prefix: str = "seed-",
+    progress: bool = True,
+) -> None:
+    """Insert ``count`` deliveries of one state in one transaction, set-based, in
+    chunks only so progress can be shown. The fence trigger fires for each row."""
+    status, generation, lease_until, claimed_at, finished_at = _STATE_COLUMNS[state]
+    statement = _SEED.format(
+        targets=TARGETS,
+        status=status,
+        generation=generation,
+        lease_until=lease_until,
+        claimed_at=claimed_at,
+        finished_at=finished_at,
+    )
+    params = {
+        "community": tenant.community_id,
+        "workflow": tenant.workflow_id,
+        "run": tenant.run_id,
+        "prefix": prefix,
+        "definition": tenant.definition_id,
+        "message": tenant.message_id,
+        "message_at": tenant.message_created_at,
+        "cause": tenant.cause_id,
+    }
+    bar = tqdm(
+        total=count,
+        desc=f"seed {state}",
+        unit="row",
+        unit_scale=True,
+        disable=not progress,
+        leave=False,
+    )
+    with bar, conn.transaction():
+        for first in range(0, count, SEED_CHUNK):
+            last = min(first + SEED_CHUNK, count) - 1
+            conn.execute(statement, {**params, "first": first, "last": last})
+            bar.update(last - first + 1)
+
+
+def truncate_deliveries(conn: psycopg.Connection) -> None:
+    conn.execute("TRUNCATE workflow_agent_deliveries")
+
+
+def vacuum(conn: psycopg.Connection) -> None:
+    conn.execute("VACUUM ANALYZE workflow_agent_deliveries")
+
+
+def percentile(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    index = min(len(ordered) - 1, max(0, round(q / 100 * (len(ordered) - 1))))
+    return ordered[index]

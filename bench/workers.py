@@ -1,0 +1,335 @@
+"""Worker processes of the benchmarks and the parent's side of one measured phase.
+
+Each worker owns one connection, builds its loop, waits on a barrier shared with
+every other worker and the parent, then repeats its unit of work until the
+parent's stop event, stamping each unit with the (system-wide) monotonic clock.
+The parent decides afterwards which units fall inside the measured window.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import signal
+import threading
+import time
+import traceback
+import uuid
+from collections.abc import Callable
+from contextlib import suppress
+from dataclasses import dataclass, field
+from typing import Any
+
+from tqdm import tqdm
+
+from bench import common
+
+SERVICE = "service"
+BASELINE = "baseline"
+LEASE_SECONDS = 60
+BARRIER_TIMEOUT = 300.0
+
+# The hand-written baseline: one statement claims, one statement finishes.
+_COLUMNS = (
+    "d.id, d.community_id, d.workflow_id, d.run_id, d.step_id, d.target_pubkey, "
+    "d.definition_event_id, d.message_event_id, d.message_event_created_at, d.cause_kind, "
+    "d.cause_event_id, d.cause_scheduled_for, d.cause_webhook_invocation_id, d.status, "
+    "d.lease_generation, d.lease_until, d.claimed_at, d.finished_at, d.created_at"
+)
+BASELINE_CLAIM = f"""
+WITH picked AS (
+    SELECT id FROM workflow_agent_deliveries
+     WHERE community_id = %s AND target_pubkey = %s AND status = 'pending'
+     ORDER BY created_at, id
+     LIMIT 1
+     FOR UPDATE SKIP LOCKED
+)
+UPDATE workflow_agent_deliveries AS d
+   SET status = 'claimed', lease_generation = d.lease_generation + 1,
+       claimed_at = now(), lease_until = now() + make_interval(secs => %s)
+  FROM picked
+ WHERE d.id = picked.id
+RETURNING {_COLUMNS}
+"""
+BASELINE_FINISH = """
+UPDATE workflow_agent_deliveries
+   SET status = 'finished', finished_at = now(), lease_until = NULL, claimed_at = NULL
+ WHERE community_id = %s AND id = %s AND target_pubkey = %s AND lease_generation = %s
+   AND status = 'claimed' AND lease_until >= now()
+RETURNING status
+"""
+_INSERT_ROW = "(%s, %s, %s, %s, %s, %s, %s, %s, %s, 'event', %s)"
+BASELINE_INSERT = (
+    "INSERT INTO workflow_agent_deliveries (id, community_id, workflow_id, run_id, step_id, "
+    "target_pubkey, definition_event_id, message_event_id, message_event_created_at, "
+    "cause_kind, cause_event_id) VALUES {rows} "
+    "ON CONFLICT (community_id, run_id, step_id, target_pubkey) DO NOTHING RETURNING id"
+)
+
+
+@dataclass
+class Spec:
+    """What one worker does. ``kind`` is ``cycle`` (claim → finish) or ``produce``."""
+
+    kind: str
+    api: str
+    index: int
+    db: common.BenchDb
+    tenant: common.Tenant
+    step_size: int = 1
+    label: str = "p"
+
+
+@dataclass
+class Samples:
+    stamps: list[float] = field(default_factory=list)
+    units: list[int] = field(default_factory=list)
+    first: list[float] = field(default_factory=list)
+    second: list[float] = field(default_factory=list)
+    misses: int = 0
+    anomalies: int = 0
+
+
+Unit = Callable[[int], tuple[int, float, float] | None]
+
+
+def _targets(spec: Spec, n: int) -> list[bytes]:
+    base = spec.index * 8 + n * spec.step_size
+    return [common.target_key(base + j) for j in range(spec.step_size)]
+
+
+def _service_cycle(spec: Spec) -> tuple[Unit, Callable[[], None]]:
+    common.setup_django(spec.db.name)
+    from django.db import connections
+
+    from workflow_delivery import services
+    from workflow_delivery.protocol import Outcome, Settled
+
+    community = spec.tenant.community_id
+
+    def unit(n: int) -> tuple[int, float, float] | None:
+        target = common.target_key(spec.index * 8 + n)
+        started = time.perf_counter()
+        claimed = services.claim_delivery(community, target, lease_seconds=LEASE_SECONDS)
+        claimed_at = time.perf_counter()
+        if claimed is None:
+            return None
+        result = services.finish_delivery(claimed[0], Outcome.FINISHED)
+        finished_at = time.perf_counter()
+        return int(isinstance(result, Settled)), claimed_at - started, finished_at - claimed_at
+
+    return unit, connections.close_all
+
+
+def _baseline_cycle(spec: Spec) -> tuple[Unit, Callable[[], None]]:
+    conn = spec.db.connect()
+    cursor = conn.cursor()
+    community = spec.tenant.community_id
+
+    def unit(n: int) -> tuple[int, float, float] | None:
+        target = common.target_key(spec.index * 8 + n)
+        started = time.perf_counter()
+        cursor.execute(BASELINE_CLAIM, [community, target, LEASE_SECONDS], prepare=True)
+        row = cursor.fetchone()
+        claimed_at = time.perf_counter()
+        if row is None:
+            return None
+        cursor.execute(BASELINE_FINISH, [community, row[0], target, row[14]], prepare=True)
+        settled = cursor.fetchone() is not None
+        finished_at = time.perf_counter()
+        return int(settled), claimed_at - started, finished_at - claimed_at
+
+    return unit, conn.close
+
+
+def _service_produce(spec: Spec) -> tuple[Unit, Callable[[], None]]:
+    common.setup_django(spec.db.name)
+    from django.db import connections
+
+    from workflow_delivery import services
+    from workflow_delivery.protocol import DeliveryBinding, EventCause, NewDelivery
+
+    tenant = spec.tenant
+    cause = EventCause(tenant.cause_id)
+
+    def unit(n: int) -> tuple[int, float, float]:
+        step_id = f"{spec.label}-{spec.index}-{n}"
+        started = time.perf_counter()
+        batch = [
+            NewDelivery(
+                uuid.uuid4(),
+                DeliveryBinding(
+                    community_id=tenant.community_id,
+                    workflow_id=tenant.workflow_id,
+                    run_id=tenant.run_id,
+                    step_id=step_id,
+                    target_pubkey=target,
+                    definition_event_id=tenant.definition_id,
+                    message_event_id=tenant.message_id,
+                    cause=cause,
+                ),
+            )
+            for target in _targets(spec, n)
+        ]
+        created = services.commit_deliveries(tenant.community_id, tenant.message_created_at, batch)
+        return len(created), time.perf_counter() - started, 0.0
+
+    return unit, connections.close_all
+
+
+def _baseline_produce(spec: Spec) -> tuple[Unit, Callable[[], None]]:
+    conn = spec.db.connect()
+    cursor = conn.cursor()
+    t = spec.tenant
+    statement = BASELINE_INSERT.format(rows=", ".join([_INSERT_ROW] * spec.step_size))
+
+    def unit(n: int) -> tuple[int, float, float]:
+        step_id = f"{spec.label}-{spec.index}-{n}"
+        started = time.perf_counter()
+        params: list[Any] = []
+        for target in _targets(spec, n):
+            params += [
+                uuid.uuid4(),
+                t.community_id,
+                t.workflow_id,
+                t.run_id,
+                step_id,
+                target,
+                t.definition_id,
+                t.message_id,
+                t.message_created_at,
+                t.cause_id,
+            ]
+        # One transaction per step, like the producer it stands for.
+        with conn.transaction():
+            cursor.execute(statement, params, prepare=True)
+            created = len(cursor.fetchall())
+        return created, time.perf_counter() - started, 0.0
+
+    return unit, conn.close
+
+
+_LOOPS = {
+    ("cycle", SERVICE): _service_cycle,
+    ("cycle", BASELINE): _baseline_cycle,
+    ("produce", SERVICE): _service_produce,
+    ("produce", BASELINE): _baseline_produce,
+}
+
+
+def worker_main(spec: Spec, barrier: Any, stop: Any, results: Any) -> None:
+    # Ctrl-C reaches the whole process group; the parent alone decides to stop us.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    close: Callable[[], None] = lambda: None  # noqa: E731
+    samples = Samples()
+    try:
+        unit, close = _LOOPS[spec.kind, spec.api](spec)
+        barrier.wait()
+        n = 0
+        while not stop.is_set():
+            outcome = unit(n)
+            n += 1
+            if outcome is None:
+                samples.misses += 1
+                continue
+            units, first, second = outcome
+            samples.stamps.append(time.monotonic())
+            samples.units.append(units)
+            samples.first.append(first)
+            samples.second.append(second)
+            if spec.kind == "cycle" and units != 1:
+                samples.anomalies += 1
+    except BaseException:  # noqa: BLE001 - any failure is reported to the parent as text
+        barrier.abort()
+        results.put((spec.index, traceback.format_exc()))
+        return
+    finally:
+        # Each worker closes its own connection so the database can be dropped.
+        close()
+    results.put((spec.index, samples))
+
+
+Window = tuple[float, float]
+
+
+@dataclass
+class Phase:
+    windows: dict[str, Window]
+    samples: list[Samples]
+
+    def _in(self, window: str) -> list[tuple[int, float, float]]:
+        start, end = self.windows[window]
+        return [
+            (u, a, b)
+            for s in self.samples
+            for t, u, a, b in zip(s.stamps, s.units, s.first, s.second, strict=True)
+            if start <= t < end
+        ]
+
+    def rate(self, window: str = "main") -> float:
+        start, end = self.windows[window]
+        return sum(u for u, _, _ in self._in(window)) / (end - start)
+
+    def latencies(self, which: str, window: str = "main") -> list[float]:
+        index = 1 if which == "first" else 2
+        return [row[index] for row in self._in(window)]
+
+    @property
+    def misses(self) -> int:
+        return sum(s.misses for s in self.samples)
+
+    @property
+    def anomalies(self) -> int:
+        return sum(s.anomalies for s in self.samples)
+
+
+def sleep_window(seconds: float, desc: str) -> Window:
+    start = time.monotonic()
+    end = start + seconds
+    shape = "{desc}: {bar} {n:.1f}/{total:.1f} s"
+    with tqdm(total=round(seconds, 1), desc=desc, bar_format=shape, leave=False) as bar:
+        while (now := time.monotonic()) < end:
+            time.sleep(min(0.2, end - now))
+            bar.n = round(min(now, end) - start, 1)
+            bar.refresh()
+    return start, end
+
+
+Driver = Callable[[], dict[str, Window]]
+
+
+def run_phase(
+    specs: list[Spec], *, seconds: float, warmup: float, desc: str, driver: Driver | None = None
+) -> Phase:
+    """Start every worker together and measure. By default the window is ``seconds``
+    after ``warmup``; a ``driver`` may instead run its own windows while they work."""
+    ctx = mp.get_context("spawn")
+    barrier = ctx.Barrier(len(specs) + 1, timeout=BARRIER_TIMEOUT)
+    stop = ctx.Event()
+    results = ctx.Queue()
+    procs = [
+        ctx.Process(target=worker_main, args=(spec, barrier, stop, results), daemon=True)
+        for spec in specs
+    ]
+    try:
+        for proc in procs:
+            proc.start()
+        # A worker that fails before the start breaks the barrier; its traceback
+        # is in the queue.
+        with suppress(threading.BrokenBarrierError):
+            barrier.wait()
+        if not barrier.broken:
+            time.sleep(warmup)
+            windows = driver() if driver else {"main": sleep_window(seconds, desc)}
+        stop.set()
+        collected = [results.get(timeout=BARRIER_TIMEOUT) for _ in procs]
+        for proc in procs:
+            proc.join(timeout=30)
+    finally:
+        for proc in procs:
+            if proc.is_alive():
+                proc.terminate()
+                proc.join()
+    failures = [f"worker {i}:\n{item}" for i, item in collected if isinstance(item, str)]
+    if failures:
+        raise RuntimeError("\n".join(failures))
+    return Phase(windows, [item for _, item in collected])
