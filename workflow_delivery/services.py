@@ -372,12 +372,14 @@ def claim_delivery(
         if expected.community_id != community_id or expected.target_pubkey != target_pubkey:
             return None
     queryset = _claim_queryset(community_id, target_pubkey, delivery_id, expected, using)
-    select_sql, params = queryset.query.get_compiler(using=using).as_sql()
-    # One statement: the locking SELECT and the UPDATE run in the same implicit
-    # transaction (or the caller's), so the row lock lasts exactly as long as needed.
-    with _database_errors(), connections[using].cursor() as cursor:
-        cursor.execute(sql.claim_statement(select_sql), [*params, seconds])
-        row = cursor.fetchone()
+    # One statement: the locking SELECT and the UPDATE share one transaction (ours,
+    # or the caller's), so the row lock lasts exactly as long as needed. Django only
+    # compiles FOR UPDATE inside a transaction, hence atomic even for one statement.
+    with transaction.atomic(using=using), _database_errors():
+        select_sql, params = queryset.query.get_compiler(using=using).as_sql()
+        with connections[using].cursor() as cursor:
+            cursor.execute(sql.claim_statement(select_sql), [*params, seconds])
+            row = cursor.fetchone()
     if row is None:
         return None
     record = _record(row)
