@@ -14,6 +14,7 @@ from workflow_delivery.protocol import (
     EventCause,
     NewDelivery,
 )
+from workflow_delivery.services import commit_deliveries
 
 
 def key32() -> bytes:
@@ -54,11 +55,18 @@ def message(owner: Community, targets: list[bytes], created_at: datetime | None 
 class Step:
     """One workflow step of one run with its message, ready to bind deliveries to."""
 
-    def __init__(self, owner: Community | None = None, targets: int = 1, step_id: str = "step-1"):
+    def __init__(
+        self,
+        owner: Community | None = None,
+        targets: int | list[bytes] = 1,
+        step_id: str = "step-1",
+    ):
         self.community = owner or community()
         self.workflow = workflow(self.community)
         self.run = run(self.workflow)
-        self.targets = [key32() for _ in range(targets)]
+        self.targets = (
+            list(targets) if isinstance(targets, list) else [key32() for _ in range(targets)]
+        )
         self.message = message(self.community, self.targets)
         self.step_id = step_id
         self.definition_event_id = key32()
@@ -84,3 +92,10 @@ class Step:
     @property
     def created_at(self) -> datetime:
         return self.message.created_at
+
+
+def committed(step: Step) -> list[NewDelivery]:
+    """Commit one delivery per target of ``step`` through the service; return them."""
+    deliveries = step.new_deliveries()
+    commit_deliveries(step.community.id, step.created_at, deliveries)
+    return deliveries
