@@ -1,0 +1,528 @@
+"""Read-mostly admin. Every table is browsable (bytes as hex); nothing is written
+through a form. Operators change state only through actions, each behind its own
+permission, that call ``services`` or ``fence`` and report "N done, M skipped"."""
+
+from __future__ import annotations
+
+import operator
+import re
+import uuid
+from collections import defaultdict
+from collections.abc import Callable, Iterable
+from datetime import datetime
+from functools import reduce
+from typing import Any
+
+from django.contrib import admin, messages
+from django.contrib.admin.models import CHANGE, LogEntry
+from django.contrib.admin.utils import flatten_fieldsets, quote
+from django.contrib.admin.views.main import ChangeList
+from django.contrib.contenttypes.models import ContentType
+from django.db.models import Model, Q, QuerySet
+from django.http import HttpRequest, HttpResponse
+from django.urls import reverse
+from django.utils import timezone
+from django.utils.dateformat import format as date_format
+from django.utils.html import format_html
+from django.utils.safestring import SafeString
+
+from . import fence, services
+from .exceptions import CommunityNotFound, InvalidLifecycleTransition
+from .models import (
+    Community,
+    DeletionState,
+    Event,
+    Workflow,
+    WorkflowAgentDelivery,
+    WorkflowRun,
+)
+from .protocol import CauseKind
+
+HEX64 = re.compile(r"[0-9a-fA-F]{64}")
+SHORT_HEX = 12
+
+
+def _hex(value: bytes | memoryview | None) -> str | None:
+    return None if value is None else bytes(value).hex()
+
+
+def _short(full: str | None, keep: int = SHORT_HEX) -> SafeString | None:
+    """The start of a long identifier; the whole of it on hover."""
+    if full is None:
+        return None
+    return format_html('<span title="{}">{}…</span>', full, full[:keep])
+
+
+def _link(model: type[Model], object_id: object, label: object) -> SafeString:
+    opts = model._meta
+    url = reverse(f"admin:{opts.app_label}_{opts.model_name}_change", args=[quote(object_id)])
+    return format_html('<a href="{}">{}</a>', url, label)
+
+
+def hex_field(name: str, *, short: bool = False) -> Callable[[Model], object]:
+    """A read-only column or detail field showing a bytes field as hex."""
+
+    @admin.display(description=name.replace("_", " "))
+    def show(obj: Model) -> object:
+        full = _hex(getattr(obj, name))
+        return _short(full) if short else full
+
+    show.__name__ = name
+    return show
+
+
+def _when(value: datetime | None) -> str | None:
+    """To the second: leases are seconds long."""
+    return None if value is None else date_format(timezone.localtime(value), "Y-m-d H:i:s T")
+
+
+def time_field(name: str) -> Callable[[Model], object]:
+    """A read-only column or detail field showing a timestamp to the second."""
+
+    @admin.display(description=name.replace("_", " "), ordering=name)
+    def show(obj: Model) -> object:
+        return _when(getattr(obj, name))
+
+    show.__name__ = name
+    return show
+
+
+class ReadOnlyAdmin(admin.ModelAdmin):
+    """View permission only: no add, change or delete through the admin, ever.
+    Every entry of ``fields``/``fieldsets`` is shown read-only."""
+
+    view_on_site = False
+    hex_search_fields: tuple[str, ...] = ()
+    uuid_search_fields: tuple[str, ...] = ()
+
+    def has_add_permission(self, request: HttpRequest, obj: Model | None = None) -> bool:
+        return False
+
+    def has_change_permission(self, request: HttpRequest, obj: Model | None = None) -> bool:
+        return False
+
+    def has_delete_permission(self, request: HttpRequest, obj: Model | None = None) -> bool:
+        return False
+
+    def get_readonly_fields(self, request: HttpRequest, obj: Model | None = None) -> list:
+        return flatten_fieldsets(self.fieldsets) if self.fieldsets else list(self.fields or ())
+
+    def get_search_results(
+        self, request: HttpRequest, queryset: QuerySet, search_term: str
+    ) -> tuple[QuerySet, bool]:
+        """Each term narrows the list: a 64-hex term matches the bytes keys exactly, a
+        UUID term the UUID keys exactly, anything else the text fields. Never a LIKE
+        over bytea, and never over a key column."""
+        for term in search_term.split():
+            lookups = self._search_lookups(term)
+            if not lookups:
+                return queryset.none(), False
+            queryset = queryset.filter(reduce(operator.or_, (Q(**{k: v}) for k, v in lookups)))
+        return queryset, False
+
+    def _search_lookups(self, term: str) -> list[tuple[str, object]]:
+        if HEX64.fullmatch(term):
+            key = bytes.fromhex(term)
+            return [(field, key) for field in self.hex_search_fields]
+        try:
+            value = uuid.UUID(term)
+        except ValueError:
+            return [(f"{field}__icontains", term) for field in self.search_fields]
+        return [(field, value) for field in self.uuid_search_fields]
+
+    def _may(self, request: HttpRequest, codename: str) -> bool:
+        return request.user.has_perm(f"{self.opts.app_label}.{codename}")
+
+    def _report(self, request: HttpRequest, action: str, done: int, considered: int) -> None:
+        skipped = considered - done
+        self.message_user(
+            request,
+            f"{action}: {done} done, {skipped} skipped.",
+            messages.WARNING if skipped else messages.SUCCESS,
+        )
+
+
+def _log_operator_change(
+    request: HttpRequest, model: type[Model], objects: Iterable[Model] | None, message: str
+) -> None:
+    """Record an operator action in the admin log (per object when there are objects)."""
+    if objects is not None:
+        LogEntry.objects.log_actions(request.user.pk, list(objects), CHANGE, message)
+        return
+    LogEntry.objects.create(
+        user_id=request.user.pk,
+        content_type=ContentType.objects.get_for_model(model),
+        object_repr=model._meta.verbose_name_plural,
+        action_flag=CHANGE,
+        change_message=message,
+    )
+
+
+@admin.register(Community)
+class CommunityAdmin(ReadOnlyAdmin):
+    """Communities change state only through the fence executor. Each action moves
+    rows from one state to the next (no skipping ahead) and skips every other row."""
+
+    list_display = [
+        "host",
+        "deletion_state",
+        "deletion_fence_generation",
+        "deleted_at",
+        "created_at",
+    ]
+    list_filter = ["deletion_state"]
+    search_fields = ["host"]
+    uuid_search_fields = ("id",)
+    search_help_text = "A host, or a community id."
+    fields = [
+        "id",
+        "host",
+        "deletion_state",
+        "deletion_fence_generation",
+        "deleted_at",
+        "created_at",
+    ]
+    actions = ["begin_deletion", "fence_communities", "tombstone", "cancel_deletion"]
+
+    def _move(
+        self,
+        request: HttpRequest,
+        queryset: QuerySet,
+        source: DeletionState,
+        target: DeletionState,
+        action: str,
+    ) -> None:
+        moved = []
+        for community in queryset.filter(deletion_state=source):
+            try:
+                fence.transition_community(community.pk, target)
+            except (InvalidLifecycleTransition, CommunityNotFound):
+                continue  # moved on by someone else since the page was read
+            moved.append(community)
+        _log_operator_change(
+            request, Community, moved, f"{action} ({source} -> {target}) by an operator"
+        )
+        self._report(request, action, len(moved), queryset.count())
+
+    @admin.action(permissions=["begin_community_deletion"], description="Begin deletion")
+    def begin_deletion(self, request: HttpRequest, queryset: QuerySet) -> None:
+        self._move(
+            request, queryset, DeletionState.ACTIVE, DeletionState.QUIESCING, "Begin deletion"
+        )
+
+    @admin.action(permissions=["fence_community"], description="Fence quiescing communities")
+    def fence_communities(self, request: HttpRequest, queryset: QuerySet) -> None:
+        self._move(request, queryset, DeletionState.QUIESCING, DeletionState.FENCED, "Fence")
+
+    @admin.action(permissions=["tombstone_community"], description="Tombstone fenced communities")
+    def tombstone(self, request: HttpRequest, queryset: QuerySet) -> None:
+        self._move(request, queryset, DeletionState.FENCED, DeletionState.TOMBSTONE, "Tombstone")
+
+    @admin.action(permissions=["cancel_community_deletion"], description="Cancel deletion")
+    def cancel_deletion(self, request: HttpRequest, queryset: QuerySet) -> None:
+        self._move(
+            request, queryset, DeletionState.QUIESCING, DeletionState.ACTIVE, "Cancel deletion"
+        )
+
+    def has_begin_community_deletion_permission(self, request: HttpRequest) -> bool:
+        return self._may(request, "begin_community_deletion")
+
+    def has_fence_community_permission(self, request: HttpRequest) -> bool:
+        return self._may(request, "fence_community")
+
+    def has_tombstone_community_permission(self, request: HttpRequest) -> bool:
+        return self._may(request, "tombstone_community")
+
+    def has_cancel_community_deletion_permission(self, request: HttpRequest) -> bool:
+        return self._may(request, "cancel_community_deletion")
+
+
+@admin.display(description="community", ordering="community__host")
+def community_link(obj: Model) -> SafeString:
+    return _link(Community, obj.community_id, obj.community.host)
+
+
+@admin.display(description="workflow", ordering="workflow__name")
+def workflow_link(obj: Model) -> SafeString:
+    return _link(Workflow, obj.workflow_id, obj.workflow.name)
+
+
+@admin.register(Workflow)
+class WorkflowAdmin(ReadOnlyAdmin):
+    list_display = [
+        "name",
+        community_link,
+        "status",
+        hex_field("owner_pubkey", short=True),
+        "created_at",
+        "updated_at",
+    ]
+    list_filter = ["status", "community"]
+    list_select_related = ["community"]
+    search_fields = ["name"]
+    uuid_search_fields = ("id",)
+    hex_search_fields = ("owner_pubkey", "definition_event_id")
+    search_help_text = "A name, a workflow id, or a 64-hex owner or definition event id."
+    fields = [
+        "id",
+        community_link,
+        "name",
+        "status",
+        hex_field("owner_pubkey"),
+        "definition",
+        hex_field("definition_event_id"),
+        "created_at",
+        "updated_at",
+    ]
+
+
+@admin.register(WorkflowRun)
+class WorkflowRunAdmin(ReadOnlyAdmin):
+    list_display = ["id", workflow_link, community_link, "status", "created_at", "updated_at"]
+    list_filter = ["status", "community"]
+    list_select_related = ["community", "workflow"]
+    search_fields = ["status"]
+    uuid_search_fields = ("id", "workflow_id")
+    search_help_text = "A run id or a workflow id."
+    fields = [
+        "id",
+        community_link,
+        workflow_link,
+        "status",
+        hex_field("definition_event_id"),
+        "created_at",
+        "updated_at",
+    ]
+
+
+class HexKeyChangeList(ChangeList):
+    """Links rows whose primary key is bytes by the hex form of the key."""
+
+    def url_for_result(self, result: Model) -> str:
+        opts = self.opts
+        return reverse(
+            f"admin:{opts.app_label}_{opts.model_name}_change",
+            args=[_hex(result.pk)],
+            current_app=self.model_admin.admin_site.name,
+        )
+
+
+@admin.register(Event)
+class EventAdmin(ReadOnlyAdmin):
+    """Events are keyed by their 32-byte id; their admin URLs carry it as 64 hex."""
+
+    list_display = [
+        hex_field("id", short=True),
+        community_link,
+        "kind",
+        hex_field("pubkey", short=True),
+        "created_at",
+    ]
+    list_filter = ["kind", "community"]
+    list_select_related = ["community"]
+    date_hierarchy = "created_at"
+    search_fields = ["content"]
+    hex_search_fields = ("id", "pubkey")
+    search_help_text = "A 64-hex event id or author pubkey, or words of the content."
+    fields = [
+        hex_field("id"),
+        community_link,
+        "created_at",
+        "kind",
+        hex_field("pubkey"),
+        "content",
+        "tags",
+    ]
+
+    def get_changelist(self, request: HttpRequest, **kwargs: Any) -> type[ChangeList]:
+        return HexKeyChangeList
+
+    def get_object(
+        self, request: HttpRequest, object_id: str, from_field: str | None = None
+    ) -> Event | None:
+        if not HEX64.fullmatch(object_id):
+            return None
+        return self.get_queryset(request).filter(pk=bytes.fromhex(object_id)).first()
+
+    def change_view(
+        self,
+        request: HttpRequest,
+        object_id: str,
+        form_url: str = "",
+        extra_context: dict | None = None,
+    ) -> HttpResponse:
+        # The history link of the object tools needs the key in its URL form.
+        extra_context = {**(extra_context or {}), "object_id_hex": object_id.lower()}
+        return super().change_view(request, object_id, form_url, extra_context)
+
+
+class ExpiredLeaseFilter(admin.SimpleListFilter):
+    title = "lease"
+    parameter_name = "lease"
+
+    def lookups(self, request: HttpRequest, model_admin: admin.ModelAdmin) -> list:
+        return [("expired", "expired, awaiting the reaper")]
+
+    def queryset(self, request: HttpRequest, queryset: QuerySet) -> QuerySet:
+        if self.value() == "expired":
+            return queryset.expired_leases()
+        return queryset
+
+
+@admin.register(WorkflowAgentDelivery)
+class DeliveryAdmin(ReadOnlyAdmin):
+    list_display = [
+        "delivery",
+        "status",
+        community_link,
+        workflow_link,
+        "run_link",
+        "step_id",
+        hex_field("target_pubkey", short=True),
+        "cause",
+        "lease_generation",
+        "lease_expiry",
+        time_field("claimed_at"),
+        time_field("finished_at"),
+        time_field("created_at"),
+    ]
+    list_filter = ["status", "cause_kind", "community", ExpiredLeaseFilter]
+    list_select_related = ["community", "workflow"]
+    date_hierarchy = "created_at"
+    show_full_result_count = False
+    search_fields = ["step_id"]
+    uuid_search_fields = ("id", "run_id")
+    hex_search_fields = ("target_pubkey", "message_event_id")
+    search_help_text = (
+        "A delivery or run id, a 64-hex target or message event id, or part of a step id."
+    )
+    fieldsets = [
+        (None, {"fields": ["id", "status", community_link, workflow_link, "run_link", "step_id"]}),
+        (None, {"fields": [hex_field("target_pubkey"), hex_field("definition_event_id")]}),
+        ("Message", {"fields": ["message_event_link", time_field("message_event_created_at")]}),
+        (
+            "Cause",
+            {
+                "fields": [
+                    "cause_kind",
+                    hex_field("cause_event_id"),
+                    time_field("cause_scheduled_for"),
+                    "cause_webhook_invocation_id",
+                ]
+            },
+        ),
+        (
+            "Lease",
+            {
+                "fields": [
+                    "lease_generation",
+                    "lease_expiry",
+                    time_field("claimed_at"),
+                    time_field("finished_at"),
+                ]
+            },
+        ),
+        (None, {"fields": [time_field("created_at")]}),
+    ]
+    actions = ["reap_expired_leases", "release_leases", "mark_failed"]
+
+    def get_queryset(self, request: HttpRequest) -> QuerySet:
+        # The workflow's definition can be large and no page of deliveries shows it.
+        return super().get_queryset(request).defer("workflow__definition")
+
+    @admin.display(description="delivery", ordering="id")
+    def delivery(self, obj: WorkflowAgentDelivery) -> SafeString:
+        return _short(str(obj.id), keep=8)
+
+    @admin.display(description="run", ordering="run_id")
+    def run_link(self, obj: WorkflowAgentDelivery) -> SafeString:
+        return _link(WorkflowRun, obj.run_id, _short(str(obj.run_id), keep=8))
+
+    @admin.display(description="message event")
+    def message_event_link(self, obj: WorkflowAgentDelivery) -> SafeString:
+        key = _hex(obj.message_event_id)
+        return _link(Event, key, key)
+
+    @admin.display(description="cause", ordering="cause_kind")
+    def cause(self, obj: WorkflowAgentDelivery) -> SafeString:
+        if obj.cause_kind == CauseKind.EVENT:
+            identity = _short(_hex(obj.cause_event_id))
+        elif obj.cause_kind == CauseKind.SCHEDULE:
+            identity = _when(obj.cause_scheduled_for)
+        else:
+            identity = _short(str(obj.cause_webhook_invocation_id), keep=8)
+        return format_html("{} {}", obj.cause_kind, identity)
+
+    @admin.display(description="lease until", ordering="lease_until")
+    def lease_expiry(self, obj: WorkflowAgentDelivery) -> SafeString | None:
+        if obj.lease_until is None:
+            return None
+        shown = _when(obj.lease_until)
+        # The application clock is good enough to flag a row on screen; the reaper and
+        # the holder decide by the database clock.
+        if obj.lease_until < timezone.now():
+            return format_html('<strong class="wd-lease-expired">{} (expired)</strong>', shown)
+        return format_html("{}", shown)
+
+    @admin.action(
+        permissions=["reap_deliveries"],
+        description="Reap every expired lease now (all communities, not only the selected)",
+    )
+    def reap_expired_leases(self, request: HttpRequest, queryset: QuerySet) -> None:
+        reclaimed = services.reap_expired_deliveries()
+        skipped = WorkflowAgentDelivery.objects.expired_leases().in_fenced_communities().count()
+        _log_operator_change(
+            request,
+            WorkflowAgentDelivery,
+            None,
+            f"Reaped {reclaimed} expired leases; {skipped} left in communities not active",
+        )
+        self._report(request, "Reap expired leases", reclaimed, reclaimed + skipped)
+
+    @admin.action(permissions=["release_delivery"], description="Release the lease")
+    def release_leases(self, request: HttpRequest, queryset: QuerySet) -> None:
+        self._operate(
+            request,
+            queryset,
+            services.release_deliveries,
+            "Release lease",
+            "Released by an operator: back to pending, lease generation bumped",
+        )
+
+    @admin.action(permissions=["fail_delivery"], description="Mark failed (operator terminal)")
+    def mark_failed(self, request: HttpRequest, queryset: QuerySet) -> None:
+        self._operate(
+            request,
+            queryset,
+            services.fail_deliveries,
+            "Mark failed",
+            "Marked failed by an operator (operator terminal)",
+        )
+
+    def _operate(
+        self,
+        request: HttpRequest,
+        queryset: QuerySet,
+        service: Callable[[uuid.UUID, list[uuid.UUID]], list[uuid.UUID]],
+        action: str,
+        log_message: str,
+    ) -> None:
+        """Call ``service`` once per community of the selection; it changes only the
+        eligible rows of active communities and returns their ids."""
+        by_community: dict[uuid.UUID, list[uuid.UUID]] = defaultdict(list)
+        for community_id, delivery_id in queryset.values_list("community_id", "id"):
+            by_community[community_id].append(delivery_id)
+        done = [i for community, ids in by_community.items() for i in service(community, ids)]
+        if done:
+            changed = WorkflowAgentDelivery.objects.filter(pk__in=done)
+            _log_operator_change(request, WorkflowAgentDelivery, changed, log_message)
+        self._report(request, action, len(done), sum(map(len, by_community.values())))
+
+    def has_reap_deliveries_permission(self, request: HttpRequest) -> bool:
+        return self._may(request, "reap_deliveries")
+
+    def has_release_delivery_permission(self, request: HttpRequest) -> bool:
+        return self._may(request, "release_delivery")
+
+    def has_fail_delivery_permission(self, request: HttpRequest) -> bool:
+        return self._may(request, "fail_delivery")
