@@ -1,0 +1,481 @@
+"""Chaos harness: a fleet of producers, agents and a reaper under injected faults.
+
+    python bench/chaos.py [--agents 8] [--seconds 60] [--lease 3] [--deliveries 2000]
+                          [--database-url URL] [--allow-restart]
+
+Producers commit steps with several targets through ``services.delivery_identity``; agents
+claim, renew at a third of the lease and settle; the reaper returns expired leases. Meanwhile
+the harness kills agents holding a lease (``kill -9``), stalls holders (SIGSTOP until another
+agent has settled their delivery, then SIGCONT), drops connections (``pg_terminate_backend``)
+and restarts the database. Every process journals what it saw; at the end the database is
+checked against the journals and the figures are printed. Exit status 1 when a figure that
+must be 0 is not.
+
+Without ``--database-url`` (or ``DATABASE_URL``) the harness starts a throwaway PostgreSQL of
+its own, which it may restart. On a configured server it works in a private database and
+restarts the server only with ``--allow-restart``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+import psycopg  # noqa: E402
+
+from bench.chaos_check import ChaosReport, check  # noqa: E402
+from bench.chaos_journal import Journal, last_holding, read_all  # noqa: E402
+from bench.chaos_server import ChaosServer, connect  # noqa: E402
+
+WORKER = ROOT / "bench" / "chaos_worker.py"
+REAP_COMMAND = ROOT / "workflow_delivery" / "management" / "commands" / "reap_deliveries.py"
+DROP_ROLES = ["agent", "producer", "reaper"]
+
+
+@dataclass
+class ChaosConfig:
+    agents: int = 8
+    producers: int = 2
+    targets: int = 3
+    seconds: float = 60.0
+    lease: int = 3
+    deliveries: int = 2000
+    reap_interval: float = 1.0
+    kills: int | None = None
+    stalls: int | None = None
+    drops: int | None = None
+    restart: bool = True
+    database_url: str | None = None
+    allow_restart: bool = False
+    drain_seconds: float | None = None
+    long_work_share: float = 0.15
+    idle_poll: float = 0.1
+    seed: int = field(default_factory=lambda: random.randrange(1 << 30))
+    journal_dir: Path | None = None
+
+    def __post_init__(self) -> None:
+        if self.kills is None:
+            self.kills = max(1, int(self.seconds // 10))
+        if self.stalls is None:
+            self.stalls = max(1, int(self.seconds // 20))
+        if self.drops is None:
+            self.drops = max(3, int(self.seconds // 2))
+        if self.drain_seconds is None:
+            self.drain_seconds = max(30.0, 10.0 * self.lease)
+
+
+@dataclass
+class Stall:
+    pid: int
+    delivery_id: str
+    generation: int
+    stopped_at: float
+    deadline: float
+
+
+class Fleet:
+    """The worker processes, by role and index; agents that die are replaced."""
+
+    def __init__(self, config_path: Path, log_dir: Path) -> None:
+        self.config_path = config_path
+        self.log_dir = log_dir
+        self.processes: dict[tuple[str, int], subprocess.Popen] = {}
+        self.killed: set[int] = set()
+        self.crashes: list[str] = []
+
+    def spawn(self, role: str, index: int) -> subprocess.Popen:
+        log = (self.log_dir / f"{role}-{index}.log").open("ab")
+        command = [sys.executable, str(WORKER), role, str(self.config_path), str(index)]
+        env = None
+        if role == "reaper" and REAP_COMMAND.exists():
+            config = json.loads(self.config_path.read_text())
+            command = [sys.executable, str(ROOT / "manage.py"), "reap_deliveries", "--loop"]
+            command += ["--interval", str(config["reap_interval"]), "-v", "1"]
+            env = worker_environment(f"{config['database_url']}?application_name=chaos-reaper-0")
+        process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+        log.close()
+        self.processes[role, index] = process
+        return process
+
+    def journal(self, role: str, index: int) -> Path:
+        process = self.processes[role, index]
+        return self.log_dir.parent / "journals" / f"{role}-{index}-{process.pid}.jsonl"
+
+    def of_role(self, role: str) -> list[tuple[int, subprocess.Popen]]:
+        return [(i, p) for (r, i), p in self.processes.items() if r == role]
+
+    def supervise(self, *, respawn: bool) -> None:
+        """Notice exits; a crash is recorded, and agents and the reaper come back."""
+        for (role, index), process in list(self.processes.items()):
+            code = process.poll()
+            if code is None:
+                continue
+            if process.pid not in self.killed and code != 0:
+                self.crashes.append(f"{role}-{index} (pid {process.pid}) exited with {code}")
+                self.killed.add(process.pid)
+            if respawn and role in ("agent", "reaper"):
+                self.spawn(role, index)
+
+    def stop(self, roles: list[str], timeout: float) -> None:
+        chosen = [(key, p) for key, p in self.processes.items() if key[0] in roles]
+        for _, process in chosen:
+            if process.poll() is None:
+                process.send_signal(signal.SIGCONT)
+                process.terminate()
+        deadline = time.monotonic() + timeout
+        for (role, index), process in chosen:
+            try:
+                process.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                self.crashes.append(f"{role}-{index} (pid {process.pid}) ignored SIGTERM")
+                self.killed.add(process.pid)
+                process.kill()
+                process.wait()
+            if process.returncode not in (0, None) and process.pid not in self.killed:
+                self.crashes.append(
+                    f"{role}-{index} (pid {process.pid}) exited with {process.returncode}"
+                )
+
+
+class Harness:
+    def __init__(self, config: ChaosConfig, server: ChaosServer, run_dir: Path) -> None:
+        self.config = config
+        self.server = server
+        self.rng = random.Random(config.seed)
+        (run_dir / "journals").mkdir()
+        (run_dir / "logs").mkdir()
+        self.journal_dir = run_dir / "journals"
+        self.journal = Journal(self.journal_dir / f"harness-0-{os.getpid()}.jsonl", role="harness")
+        self.communities = [
+            {"id": str(uuid.uuid4()), "workflow_id": str(uuid.uuid4())}
+            for _ in range(config.producers)
+        ]
+        worker_config = {
+            "database_url": server.url,
+            "journal_dir": str(self.journal_dir),
+            "communities": self.communities,
+            "targets": [os.urandom(32).hex() for _ in range(config.targets)],
+            "lease": config.lease,
+            "seconds": config.seconds,
+            "deliveries_per_producer": -(-config.deliveries // config.producers),
+            "reap_interval": config.reap_interval,
+            "long_work_share": config.long_work_share,
+            "idle_poll": config.idle_poll,
+            "seed": config.seed,
+        }
+        config_path = run_dir / "config.json"
+        config_path.write_text(json.dumps(worker_config))
+        self.fleet = Fleet(config_path, run_dir / "logs")
+        self.stalls: list[Stall] = []
+
+    # -- faults ---------------------------------------------------------------------------
+
+    def _holders(self) -> list[tuple[int, subprocess.Popen, tuple[str, int]]]:
+        stalled = {stall.pid for stall in self.stalls}
+        holders = []
+        for index, process in self.fleet.of_role("agent"):
+            if process.poll() is not None or process.pid in stalled:
+                continue
+            path = self.fleet.journal("agent", index)
+            held = last_holding(path) if path.exists() else None
+            if held is not None:
+                holders.append((index, process, held))
+        return holders
+
+    def kill_holder(self) -> bool:
+        holders = self._holders()
+        if not holders:
+            return False
+        index, process, (delivery_id, generation) = self.rng.choice(holders)
+        self.fleet.killed.add(process.pid)
+        process.send_signal(signal.SIGKILL)
+        self.journal.write("kill", pid=process.pid, id=delivery_id, gen=generation)
+        process.wait()
+        self.fleet.spawn("agent", index)
+        return True
+
+    def stall_holder(self) -> bool:
+        holders = self._holders()
+        if not holders:
+            return False
+        _, process, (delivery_id, generation) = self.rng.choice(holders)
+        process.send_signal(signal.SIGSTOP)
+        now = time.time()
+        self.journal.write("stall", pid=process.pid, id=delivery_id, gen=generation)
+        self.stalls.append(
+            Stall(process.pid, delivery_id, generation, now, now + 6 * self.config.lease + 20)
+        )
+        return True
+
+    def release_stalls(self, *, force: bool = False) -> int:
+        """SIGCONT a stalled holder once its delivery was settled by a newer holder.
+        Returns how many stalls were wasted (the holder had settled just before it)."""
+        wasted = 0
+        for stall in [s for s in self.stalls if s.pid]:
+            state = self._stalled_row(stall)
+            settled_by_other = state == "taken over"
+            if state == "settled by holder":
+                wasted += 1
+            elif not (settled_by_other or force or time.time() > stall.deadline):
+                continue
+            os.kill(stall.pid, signal.SIGCONT)
+            self.journal.write(
+                "cont",
+                pid=stall.pid,
+                id=stall.delivery_id,
+                gen=stall.generation,
+                completed=bool(settled_by_other),
+            )
+            stall.pid = 0
+        return wasted
+
+    def _stalled_row(self, stall: Stall) -> str:
+        try:
+            with connect(self.server.url) as conn:
+                row = conn.execute(
+                    "SELECT status, lease_generation FROM workflow_agent_deliveries WHERE id = %s",
+                    [stall.delivery_id],
+                ).fetchone()
+        except psycopg.OperationalError:
+            return "unknown"
+        if row is None or row[0] not in ("finished", "failed"):
+            return "open"
+        return "taken over" if row[1] > stall.generation else "settled by holder"
+
+    def drop_connection(self, role: str) -> bool:
+        try:
+            with connect(self.server.url) as conn:
+                backends = conn.execute(
+                    "SELECT pid, application_name FROM pg_stat_activity "
+                    "WHERE datname = current_database() AND application_name LIKE 'chaos-%%' "
+                    "AND pid <> pg_backend_pid()"
+                ).fetchall()
+                chosen = [b for b in backends if b[1].startswith(f"chaos-{role}-")] or backends
+                if not chosen:
+                    return False
+                pid, name = self.rng.choice(chosen)
+                dropped = conn.execute("SELECT pg_terminate_backend(%s)", [pid]).fetchone()[0]
+        except psycopg.OperationalError:
+            return False
+        if dropped:
+            self.journal.write("drop", backend=pid, name=name, role=name.split("-")[1])
+        return bool(dropped)
+
+    def restart_database(self) -> None:
+        self.journal.write("restart_begin")
+        self.server.restart()
+        self.journal.write("restart_end")
+
+    # -- the run --------------------------------------------------------------------------
+
+    def schedule(self) -> list[tuple[float, str]]:
+        config = self.config
+        events: list[tuple[float, str]] = []
+        span = config.seconds
+
+        def spread(count: int, kind: str, start: float, end: float) -> None:
+            for i in range(count):
+                slot = start + (end - start) * (i + self.rng.uniform(0.2, 0.8)) / count
+                events.append((slot * span, kind))
+
+        spread(config.kills, "kill", 0.1, 0.9)
+        spread(config.stalls, "stall", 0.1, 0.6)
+        spread(config.drops, "drop", 0.05, 0.95)
+        if config.restart and self.server.restartable:
+            events.append((0.5 * span, "restart"))
+        return sorted(events)
+
+    def run(self) -> None:
+        config = self.config
+        self.fleet.spawn("reaper", 0)
+        for index in range(config.agents):
+            self.fleet.spawn("agent", index)
+        for index in range(config.producers):
+            self.fleet.spawn("producer", index)
+        started = time.monotonic()
+        pending = self.schedule()
+        drops = 0
+        while pending or time.monotonic() - started < config.seconds:
+            self.fleet.supervise(respawn=True)
+            elapsed = time.monotonic() - started
+            if self.release_stalls() and elapsed < config.seconds:
+                pending.append((elapsed, "stall"))
+                pending.sort()
+            if pending and pending[0][0] <= elapsed:
+                _, kind = pending[0]
+                done = True
+                if kind == "kill":
+                    done = self.kill_holder()
+                elif kind == "stall":
+                    done = self.stall_holder()
+                elif kind == "drop":
+                    done = self.drop_connection(DROP_ROLES[drops % len(DROP_ROLES)])
+                    drops += done
+                else:
+                    self.restart_database()
+                # A fault that found no victim waits for one, but not past the fault window.
+                if done or elapsed > config.seconds:
+                    pending.pop(0)
+            time.sleep(0.05)
+        self._drain()
+
+    def _drain(self) -> None:
+        config = self.config
+        # Producers finish their budget on their own; only a straggler is stopped.
+        deadline = time.monotonic() + config.seconds / 2 + 30
+        while time.monotonic() < deadline and any(
+            p.poll() is None for _, p in self.fleet.of_role("producer")
+        ):
+            self.fleet.supervise(respawn=True)
+            self.release_stalls()
+            time.sleep(0.2)
+        self.fleet.stop(["producer"], timeout=60)
+        deadline = time.monotonic() + config.drain_seconds
+        while time.monotonic() < deadline:
+            self.fleet.supervise(respawn=True)
+            self.release_stalls()
+            if not any(s.pid for s in self.stalls) and self._all_settled():
+                break
+            time.sleep(0.2)
+        self.release_stalls(force=True)
+        self.fleet.stop(["agent", "reaper"], timeout=3 * config.lease + 30)
+
+    def _all_settled(self) -> bool:
+        committed = {
+            value
+            for line in read_all(self.journal_dir)
+            if line["op"] == "commit"
+            for value in line["ids"]
+        }
+        try:
+            with connect(self.server.url) as conn:
+                settled = {
+                    str(row[0])
+                    for row in conn.execute(
+                        "SELECT id FROM workflow_agent_deliveries "
+                        "WHERE status IN ('finished', 'failed')"
+                    )
+                }
+        except psycopg.OperationalError:
+            return False
+        return committed <= settled
+
+
+def worker_environment(url: str) -> dict[str, str]:
+    # DEBUG would keep every query of a long-running process in memory.
+    env = {**os.environ, "DATABASE_URL": url, "DEBUG": "false"}
+    env.setdefault("SECRET_KEY", "chaos-harness-not-a-secret")
+    return env
+
+
+def migrate(url: str) -> None:
+    subprocess.run(
+        [sys.executable, str(ROOT / "manage.py"), "migrate", "--noinput", "-v", "0"],
+        cwd=ROOT,
+        env=worker_environment(url),
+        check=True,
+    )
+
+
+def run(config: ChaosConfig) -> ChaosReport:
+    """Run one chaos scenario end to end and return the checked figures."""
+    database = f"buzz_chaos_{os.getpid()}"
+    if config.database_url:
+        server = ChaosServer.shared(
+            config.database_url, database, allow_restart=config.allow_restart
+        )
+    else:
+        server = ChaosServer.embedded(database)
+    harness = None
+    run_dir = None
+    try:
+        if config.journal_dir is not None:
+            config.journal_dir.mkdir(parents=True, exist_ok=True)
+        run_dir = Path(tempfile.mkdtemp(prefix="chaos-run-", dir=config.journal_dir))
+        migrate(server.url)
+        harness = Harness(config, server, run_dir)
+        harness.run()
+        with connect(server.url) as conn:
+            report = check(conn, read_all(harness.journal_dir), harness.fleet.crashes)
+        report.describe(config, server, run_dir)
+        return report
+    finally:
+        if harness is not None:
+            harness.release_stalls(force=True)
+            for process in harness.fleet.processes.values():
+                if process.poll() is None:
+                    process.kill()
+                    process.wait()
+        server.close()
+        if config.journal_dir is None and run_dir is not None:
+            shutil.rmtree(run_dir, ignore_errors=True)
+
+
+def parse_args(argv: list[str] | None = None) -> ChaosConfig:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--agents", type=int, default=8)
+    parser.add_argument("--producers", type=int, default=2)
+    parser.add_argument("--seconds", type=float, default=60.0, help="length of the fault window")
+    parser.add_argument("--lease", type=int, default=3, help="lease seconds (2-5 is realistic)")
+    parser.add_argument("--deliveries", type=int, default=2000)
+    parser.add_argument("--reap-interval", type=float, default=1.0)
+    parser.add_argument("--kills", type=int)
+    parser.add_argument("--stalls", type=int)
+    parser.add_argument("--drops", type=int)
+    parser.add_argument("--no-restart", action="store_true")
+    parser.add_argument("--database-url", default=os.environ.get("DATABASE_URL") or None)
+    parser.add_argument(
+        "--allow-restart",
+        action="store_true",
+        help="allow restarting the server behind --database-url",
+    )
+    parser.add_argument("--seed", type=int)
+    parser.add_argument("--keep-journals", type=Path, help="keep journals and logs under here")
+    args = parser.parse_args(argv)
+    if args.agents < 2:
+        parser.error("--agents must be at least 2 (a stalled holder needs a successor)")
+    if not 1 <= args.lease <= 60:
+        parser.error("--lease must be 1 to 60 seconds")
+    config = ChaosConfig(
+        agents=args.agents,
+        producers=args.producers,
+        seconds=args.seconds,
+        lease=args.lease,
+        deliveries=args.deliveries,
+        reap_interval=args.reap_interval,
+        kills=args.kills,
+        stalls=args.stalls,
+        drops=args.drops,
+        restart=not args.no_restart,
+        database_url=args.database_url,
+        allow_restart=args.allow_restart,
+        journal_dir=args.keep_journals,
+    )
+    if args.seed is not None:
+        config.seed = args.seed
+    return config
+
+
+def main(argv: list[str] | None = None) -> int:
+    report = run(parse_args(argv))
+    print(report.render())
+    return 0 if report.ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,212 @@
+"""The end of a chaos run: the database checked against every process's journal.
+
+A renew or finish is *stale* when, before it was sent, its delivery had already been claimed
+again at a newer generation (a claim line written earlier than the attempt began), or when it
+came from a holder the harness stalled, after the stall. A stale attempt must be refused
+(lease lost); anything else is accepted and counted.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections import Counter, defaultdict
+from dataclasses import dataclass, field
+from typing import Any
+
+import psycopg
+
+TERMINAL = ("finished", "failed")
+
+
+@dataclass
+class ChaosReport:
+    committed: int = 0
+    rows: int = 0
+    settled: int = 0
+    outcomes: dict[str, int] = field(default_factory=dict)
+    settled_twice: int = 0
+    contradictions: int = 0
+    lost: int = 0
+    unsettled: int = 0
+    unrecorded: int = 0
+    rule_violations: int = 0
+    stale_renews: int = 0
+    stale_renews_accepted: int = 0
+    stale_finishes: int = 0
+    stale_finishes_accepted: int = 0
+    agents_killed: int = 0
+    holders_stalled: int = 0
+    stalls_refused: int = 0
+    connections_dropped: dict[str, int] = field(default_factory=dict)
+    reconnects: int = 0
+    restarts: int = 0
+    takeover_seconds: list[float] = field(default_factory=list)
+    settled_by_dead_holder: int = 0
+    worker_errors: list[str] = field(default_factory=list)
+    header: str = ""
+
+    MUST_BE_ZERO = (
+        "settled_twice",
+        "contradictions",
+        "lost",
+        "unrecorded",
+        "rule_violations",
+        "stale_renews_accepted",
+        "stale_finishes_accepted",
+    )
+
+    @property
+    def ok(self) -> bool:
+        return not self.worker_errors and all(getattr(self, n) == 0 for n in self.MUST_BE_ZERO)
+
+    def describe(self, config: Any, server: Any, run_dir: Any) -> None:
+        where = "own embedded server" if server.data_dir else "configured server"
+        self.header = (
+            f"{config.agents} agents, {config.producers} producers, {config.targets} targets, "
+            f"lease {config.lease} s, reaper every {config.reap_interval} s, "
+            f"{config.seconds:g} s of faults, seed {config.seed}, {where}"
+            + (f", journals in {run_dir}" if config.journal_dir else "")
+        )
+
+    def render(self) -> str:
+        takeover = sorted(self.takeover_seconds)
+        if takeover:
+            timing = (
+                f"n={len(takeover)}, p50 {statistics.median(takeover):.1f} s, "
+                f"max {takeover[-1]:.1f} s"
+            )
+        else:
+            timing = "n=0"
+        drops = ", ".join(f"{role} {n}" for role, n in sorted(self.connections_dropped.items()))
+        outcomes = ", ".join(f"{k} {v}" for k, v in sorted(self.outcomes.items()))
+        lines = [
+            f"chaos run: {self.header}",
+            f"deliveries committed            {self.committed}",
+            f"settled                         {self.settled} ({outcomes})",
+            f"settled twice                   {self.settled_twice}   (must be 0)",
+            f"settles contradicting the table {self.contradictions}   (must be 0)",
+            f"lost                            {self.lost}   (must be 0)",
+            f"rows no producer recorded       {self.unrecorded}   (must be 0)",
+            f"rows breaking a SPEC §3 rule    {self.rule_violations}   (must be 0)",
+            f"unsettled at the end            {self.unsettled}",
+            f"stale renews attempted          {self.stale_renews}, accepted "
+            f"{self.stale_renews_accepted}   (must be 0)",
+            f"stale finishes attempted        {self.stale_finishes}, accepted "
+            f"{self.stale_finishes_accepted}   (must be 0)",
+            f"agents killed (kill -9)         {self.agents_killed}",
+            f"holders stalled till taken over {self.holders_stalled}, refused after SIGCONT "
+            f"{self.stalls_refused}",
+            f"connections dropped             {sum(self.connections_dropped.values())} "
+            f"({drops or 'none'}); reconnects seen by workers {self.reconnects}",
+            f"database restarts               {self.restarts}",
+            f"holder death -> settled by another agent: {timing}"
+            f" (+{self.settled_by_dead_holder} settled by the holder just before it died)",
+            f"worker errors                   {len(self.worker_errors)}   (must be 0)",
+        ]
+        lines += [f"  {error}" for error in self.worker_errors]
+        lines.append("RESULT: " + ("ok" if self.ok else "FAILED"))
+        return "\n".join(lines)
+
+
+def _rows(conn: psycopg.Connection) -> dict[str, tuple[str, int, float | None]]:
+    rows = conn.execute(
+        "SELECT id, status, lease_generation, extract(epoch FROM finished_at) "
+        "FROM workflow_agent_deliveries"
+    ).fetchall()
+    return {
+        str(id_): (status, generation, float(at) if at is not None else None)
+        for id_, status, generation, at in rows
+    }
+
+
+RULE_VIOLATIONS = """
+SELECT count(*) FROM workflow_agent_deliveries
+ WHERE status NOT IN ('pending', 'claimed', 'finished', 'failed')
+    OR lease_generation < 0
+    OR (status = 'claimed') <> (lease_until IS NOT NULL)
+    OR (status = 'claimed') <> (claimed_at IS NOT NULL)
+    OR (status IN ('finished', 'failed')) <> (finished_at IS NOT NULL)
+    OR (status <> 'pending' AND lease_generation = 0)
+"""
+
+
+def check(
+    conn: psycopg.Connection, records: list[dict[str, Any]], crashes: list[str]
+) -> ChaosReport:
+    report = ChaosReport()
+    table = _rows(conn)
+    report.rule_violations = conn.execute(RULE_VIOLATIONS).fetchone()[0]
+    clock_offset = conn.execute("SELECT extract(epoch FROM clock_timestamp())").fetchone()[0]
+    clock_offset = float(clock_offset) - time.time()
+
+    committed = {value for r in records if r["op"] == "commit" for value in r["ids"]}
+    report.committed = len(committed)
+    report.rows = len(table)
+    report.lost = len(committed - table.keys())
+    report.unrecorded = len(table.keys() - committed)
+    statuses = Counter(table[i][0] for i in committed if i in table)
+    report.outcomes = {s: statuses[s] for s in TERMINAL}
+    report.settled = sum(report.outcomes.values())
+    report.unsettled = statuses["pending"] + statuses["claimed"]
+
+    claims: dict[str, list[tuple[int, float]]] = defaultdict(list)
+    for r in records:
+        if r["op"] == "claim":
+            claims[r["id"]].append((r["gen"], r["t"]))
+
+    settles: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    for r in records:
+        if r["op"] != "finish":
+            continue
+        status, generation, _ = table.get(r["id"], (None, None, None))
+        if r["result"] == "settled":
+            settles[r["id"]].append(r)
+            if (status, generation) != (r["outcome"], r["gen"]):
+                report.contradictions += 1
+        elif r["result"].startswith("already:") and r["result"] != f"already:{status}":
+            report.contradictions += 1
+    report.settled_twice = sum(1 for found in settles.values() if len(found) > 1)
+
+    stalls = {(r["pid"], r["id"], r["gen"]): r["t"] for r in records if r["op"] == "stall"}
+    refused_stalls: dict[tuple[int, str, int], list[bool]] = defaultdict(list)
+    for r in records:
+        if r["op"] not in ("renew", "finish"):
+            continue
+        superseded = any(g > r["gen"] and t < r["t0"] for g, t in claims[r["id"]])
+        stalled_at = stalls.get((r["pid"], r["id"], r["gen"]))
+        after_stall = stalled_at is not None and r["t0"] > stalled_at
+        if not (superseded or after_stall):
+            continue
+        accepted = r["result"] != "lost"
+        if r["op"] == "renew":
+            report.stale_renews += 1
+            report.stale_renews_accepted += accepted
+        else:
+            report.stale_finishes += 1
+            report.stale_finishes_accepted += accepted
+        if after_stall:
+            refused_stalls[r["pid"], r["id"], r["gen"]].append(not accepted)
+    report.holders_stalled = sum(1 for r in records if r["op"] == "cont" and r["completed"])
+    report.stalls_refused = sum(1 for seen in refused_stalls.values() if seen and all(seen))
+
+    deaths = [r for r in records if r["op"] in ("kill", "stall")]
+    report.agents_killed = sum(1 for r in deaths if r["op"] == "kill")
+    for death in deaths:
+        status, generation, finished_at = table.get(death["id"], (None, None, None))
+        if status not in TERMINAL:
+            continue
+        if generation == death["gen"]:
+            report.settled_by_dead_holder += 1
+        else:
+            report.takeover_seconds.append(finished_at - clock_offset - death["t"])
+
+    report.connections_dropped = dict(Counter(r["role"] for r in records if r["op"] == "drop"))
+    report.reconnects = sum(1 for r in records if r["op"] == "conn_error")
+    report.restarts = sum(1 for r in records if r["op"] == "restart_end")
+    report.worker_errors = [
+        f"{r['role']}-{r['index']} (pid {r['pid']}): {r['error']}"
+        for r in records
+        if r["op"] == "error"
+    ] + list(crashes)
+    return report

@@ -1,0 +1,312 @@
+"""One process of a chaos run: a producer, an agent or the reaper.
+
+Run as ``python bench/chaos_worker.py ROLE CONFIG INDEX``. Each process talks to the database
+only through the service API, journals every outcome it observed, survives dropped connections
+and a server restart by closing its connection and trying again, and stops politely on SIGTERM.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import sys
+import time
+import uuid
+from collections.abc import Callable
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any, TypeVar
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from bench.chaos_journal import Journal  # noqa: E402
+
+T = TypeVar("T")
+STEPS = ["ask", "remind", "close"]
+
+
+class Stop:
+    requested = False
+
+    @classmethod
+    def install(cls) -> None:
+        def request(signum: int, frame: object) -> None:
+            cls.requested = True
+
+        signal.signal(signal.SIGTERM, request)
+        signal.signal(signal.SIGINT, request)
+
+
+def setup_django(config: dict[str, Any], role: str, index: int) -> None:
+    separator = "&" if "?" in config["database_url"] else "?"
+    # The harness finds this process's connections by their application name.
+    os.environ["DATABASE_URL"] = (
+        f"{config['database_url']}{separator}application_name=chaos-{role}-{index}"
+    )
+    os.environ["DJANGO_SETTINGS_MODULE"] = "buzz_project.settings"
+    # DEBUG would keep every query in memory for the whole run.
+    os.environ["DEBUG"] = "false"
+    os.environ.setdefault("SECRET_KEY", "chaos-harness-not-a-secret")
+    import django
+
+    django.setup()
+
+
+def with_reconnect(journal: Journal, during: str, call: Callable[[], T]) -> T | None:
+    """Run ``call`` until it gets an answer from the database; None once stopping.
+
+    Only connection-level failures are retried (a dropped backend, a server going down or
+    starting up): the connection is closed so Django opens a fresh one next time. Anything
+    else is a real error and propagates.
+    """
+    from django.db import InterfaceError, OperationalError, connection
+
+    while True:
+        try:
+            return call()
+        except (OperationalError, InterfaceError) as exc:
+            journal.write("conn_error", during=during, error=str(exc).splitlines()[0][:200])
+            connection.close()
+            if Stop.requested and during == "claim":
+                return None
+            time.sleep(0.1 + random.random() * 0.2)
+
+
+def run_producer(config: dict[str, Any], index: int, journal: Journal) -> None:
+    from workflow_delivery import services
+    from workflow_delivery.models import Community, Event, Workflow, WorkflowRun
+    from workflow_delivery.protocol import (
+        MESSAGE_KIND,
+        MESSAGE_V1_MARKER,
+        DeliveryBinding,
+        EventCause,
+        NewDelivery,
+        ScheduleCause,
+        WebhookCause,
+    )
+
+    tenant = config["communities"][index]
+    community_id, workflow_id = uuid.UUID(tenant["id"]), uuid.UUID(tenant["workflow_id"])
+    targets = [bytes.fromhex(target) for target in config["targets"]]
+    rng = random.Random(config["seed"] * 1000 + index)
+
+    def ensure_tenant() -> None:
+        community, _ = Community.objects.get_or_create(
+            id=community_id, defaults={"host": f"chaos-{index}-{community_id.hex[:8]}.example"}
+        )
+        Workflow.objects.get_or_create(
+            id=workflow_id,
+            defaults={"community": community, "name": "chaos", "owner_pubkey": os.urandom(32)},
+        )
+
+    with_reconnect(journal, "tenant", ensure_tenant)
+    budget = config["deliveries_per_producer"]
+    # Spread the budget over most of the fault window (a step has 2.5 targets on average).
+    pause = 0.8 * config["seconds"] / max(1, budget / 2.5)
+    committed = 0
+    while committed < budget and not Stop.requested:
+        run_id = uuid.uuid4()
+        for step_id in STEPS:
+            if committed >= budget or Stop.requested:
+                break
+            chosen = rng.sample(targets, rng.randint(2, min(3, len(targets))))
+            message_id = os.urandom(32)
+            created_at = datetime.now(UTC).replace(microsecond=0)
+            cause = rng.choice(
+                [
+                    EventCause(os.urandom(32)),
+                    ScheduleCause(created_at),
+                    WebhookCause(uuid.uuid4()),
+                ]
+            )
+            batch = [
+                NewDelivery(
+                    uuid.uuid4(),
+                    DeliveryBinding(
+                        community_id=community_id,
+                        workflow_id=workflow_id,
+                        run_id=run_id,
+                        step_id=step_id,
+                        target_pubkey=target,
+                        definition_event_id=bytes(32),
+                        message_event_id=message_id,
+                        cause=cause,
+                    ),
+                )
+                for target in chosen
+            ]
+
+            def commit_step(
+                run_id: uuid.UUID = run_id,
+                step_id: str = step_id,
+                batch: list[NewDelivery] = batch,
+                message_id: bytes = message_id,
+                created_at: datetime = created_at,
+                chosen: list[bytes] = chosen,
+            ) -> tuple[bool, list[uuid.UUID]]:
+                with services.delivery_identity(community_id, run_id, step_id) as step:
+                    existed = step.exists
+                    if not existed:
+                        # A retry after an ambiguous commit finds the step already there
+                        # and reuses the message it stored, as a real producer must.
+                        WorkflowRun.objects.get_or_create(
+                            id=run_id,
+                            defaults={"community_id": community_id, "workflow_id": workflow_id},
+                        )
+                        Event.objects.create(
+                            id=message_id,
+                            community_id=community_id,
+                            created_at=created_at,
+                            kind=MESSAGE_KIND,
+                            pubkey=os.urandom(32),
+                            content="chaos",
+                            tags=[["p", t.hex(), "", MESSAGE_V1_MARKER] for t in chosen],
+                        )
+                    created = step.commit(created_at, batch)
+                return existed, created
+
+            answer = with_reconnect(journal, "commit", commit_step)
+            existed, created = answer
+            journal.write(
+                "commit",
+                community=str(community_id),
+                run=str(run_id),
+                step=step_id,
+                ids=[str(item.id) for item in batch],
+                created=[str(value) for value in created],
+                existed=existed,
+            )
+            committed += len(batch)
+            time.sleep(pause * rng.uniform(0.5, 1.5))
+    journal.write("done", committed=committed)
+
+
+def run_agent(config: dict[str, Any], index: int, journal: Journal) -> None:
+    from workflow_delivery import services
+    from workflow_delivery.protocol import LeaseLost, Outcome, Renewed, Settled
+
+    lease_seconds = config["lease"]
+    pairs = [
+        (tenant["id"], bytes.fromhex(target))
+        for tenant in config["communities"]
+        for target in config["targets"]
+    ]
+    rng = random.Random()
+
+    def finish(lease: Any, outcome: Outcome) -> None:
+        t0 = time.time()
+        result = with_reconnect(journal, "finish", lambda: services.finish_delivery(lease, outcome))
+        if isinstance(result, Settled):
+            name = "settled"
+        elif isinstance(result, LeaseLost):
+            name = "lost"
+        else:
+            name = f"already:{result.status.value}"
+        journal.write(
+            "finish",
+            id=str(lease.delivery_id),
+            gen=lease.generation,
+            t0=t0,
+            outcome=outcome.value,
+            result=name,
+        )
+
+    def hold(lease: Any) -> None:
+        """Work on a claimed delivery, renewing at a third of the lease, then settle it."""
+        long_job = rng.random() < config["long_work_share"]
+        work = lease_seconds * rng.uniform(0.5, 1.6) if long_job else rng.uniform(0.02, 0.25)
+        done_at = time.monotonic() + work
+        while time.monotonic() < done_at:
+            nap = max(0.0, min(lease_seconds / 3, done_at - time.monotonic()))
+            woke_late = time.monotonic() + nap + lease_seconds / 3
+            time.sleep(nap)
+            # A holder that finds it was paused checks its lease before reporting.
+            paused = time.monotonic() > woke_late
+            if time.monotonic() >= done_at and not paused:
+                break
+            t0 = time.time()
+            renewed = with_reconnect(
+                journal,
+                "renew",
+                lambda: services.renew_delivery(lease, lease_seconds=lease_seconds),
+            )
+            journal.write(
+                "renew",
+                id=str(lease.delivery_id),
+                gen=lease.generation,
+                t0=t0,
+                result="renewed" if isinstance(renewed, Renewed) else "lost",
+            )
+            if not isinstance(renewed, Renewed):
+                # A holder that already acted still reports its outcome once; the
+                # fence, not the holder's good manners, must refuse it.
+                break
+        outcome = Outcome.FAILED if rng.random() < 0.1 else Outcome.FINISHED
+        finish(lease, outcome)
+
+    while not Stop.requested:
+        rng.shuffle(pairs)
+        claimed = None
+        for community_id, target in pairs:
+            claimed = with_reconnect(
+                journal,
+                "claim",
+                lambda c=community_id, t=target: services.claim_delivery(
+                    c, t, lease_seconds=lease_seconds
+                ),
+            )
+            if claimed is not None or Stop.requested:
+                break
+        if claimed is None:
+            time.sleep(config["idle_poll"])
+            continue
+        lease, record = claimed
+        journal.write(
+            "claim",
+            id=str(lease.delivery_id),
+            gen=lease.generation,
+            community=str(lease.community_id),
+            step=record.binding.step_id,
+            lease_until=lease.lease_until.isoformat(),
+        )
+        hold(lease)
+
+
+def run_reaper(config: dict[str, Any], index: int, journal: Journal) -> None:
+    from workflow_delivery import services
+
+    while not Stop.requested:
+        reaped = with_reconnect(journal, "reap", services.reap_expired_deliveries)
+        if reaped:
+            journal.write("reap", count=reaped)
+        time.sleep(config["reap_interval"])
+
+
+ROLES = {"producer": run_producer, "agent": run_agent, "reaper": run_reaper}
+
+
+def main(role: str, config_path: str, index: str) -> None:
+    config = json.loads(Path(config_path).read_text())
+    Stop.install()
+    journal = Journal(
+        Path(config["journal_dir"]) / f"{role}-{index}-{os.getpid()}.jsonl",
+        role=role,
+        index=int(index),
+        pid=os.getpid(),
+    )
+    journal.write("start")
+    setup_django(config, role, int(index))
+    try:
+        ROLES[role](config, int(index), journal)
+    except Exception as exc:
+        journal.write("error", error=f"{type(exc).__name__}: {exc}"[:500])
+        raise
+    journal.write("stop")
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])

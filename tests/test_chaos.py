@@ -1,0 +1,72 @@
+"""The short chaos scenario: one of each fault, a few hundred deliveries, nothing lost.
+
+It runs against a throwaway PostgreSQL the harness starts for itself, never the suite's
+server, because it restarts that server in the middle of the run.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from bench.chaos import ChaosConfig, run
+
+
+@pytest.fixture(scope="module")
+def report(tmp_path_factory: pytest.TempPathFactory):
+    config = ChaosConfig(
+        agents=4,
+        producers=2,
+        seconds=14,
+        lease=2,
+        deliveries=240,
+        reap_interval=0.5,
+        kills=1,
+        stalls=1,
+        drops=4,
+        restart=True,
+        database_url=None,
+        long_work_share=0.08,
+        journal_dir=Path(tmp_path_factory.mktemp("chaos")),
+    )
+    return run(config)
+
+
+pytestmark = pytest.mark.slow
+
+
+def test_every_committed_delivery_is_settled_exactly_once(report):
+    assert report.committed >= 200, report.render()
+    assert report.lost == 0, report.render()
+    assert report.unrecorded == 0, report.render()
+    assert report.settled_twice == 0, report.render()
+    assert report.contradictions == 0, report.render()
+    assert report.unsettled == 0, report.render()
+    assert report.settled == report.committed, report.render()
+    assert report.rule_violations == 0, report.render()
+
+
+def test_no_stale_renew_or_finish_is_accepted(report):
+    assert report.stale_renews >= 1, report.render()
+    assert report.stale_finishes >= 1, report.render()
+    assert report.stale_renews_accepted == 0, report.render()
+    assert report.stale_finishes_accepted == 0, report.render()
+
+
+def test_a_killed_holder_is_replaced_and_its_delivery_settled_by_another(report):
+    assert report.agents_killed >= 1, report.render()
+    assert report.takeover_seconds, report.render()
+
+
+def test_a_stalled_holder_is_refused_after_it_resumes(report):
+    assert report.holders_stalled >= 1, report.render()
+    assert report.stalls_refused >= 1, report.render()
+
+
+def test_dropped_connections_and_a_restart_are_survived(report):
+    assert sum(report.connections_dropped.values()) >= 1, report.render()
+    assert report.restarts == 1, report.render()
+    assert report.reconnects >= 1, report.render()
+    assert report.worker_errors == [], report.render()
+    assert report.ok, report.render()
