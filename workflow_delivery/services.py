@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
-from datetime import datetime
+from datetime import UTC, datetime, timedelta
 from uuid import UUID
 
 from django.db import DEFAULT_DB_ALIAS, connections, transaction
@@ -315,22 +315,21 @@ def commit_deliveries(
         return identity.commit(message_event_created_at, batch)
 
 
-def _claim_queryset(
+def _claim_filters(
     community_id: UUID,
     target_pubkey: bytes,
     delivery_id: UUID | None,
     expected: DeliveryBinding | None,
-    using: str,
-):
-    rows = WorkflowAgentDelivery.objects.using(using).filter(
-        community_id=community_id,
-        target_pubkey=target_pubkey,
-        status=DeliveryStatus.PENDING.value,
-    )
+) -> dict[str, object]:
+    filters: dict[str, object] = {
+        "community_id": community_id,
+        "target_pubkey": target_pubkey,
+        "status": DeliveryStatus.PENDING.value,
+    }
     if delivery_id is not None:
-        rows = rows.filter(id=delivery_id)
+        filters["id"] = delivery_id
     if expected is not None:
-        rows = rows.filter(
+        filters.update(
             workflow_id=expected.workflow_id,
             run_id=expected.run_id,
             step_id=expected.step_id,
@@ -340,14 +339,56 @@ def _claim_queryset(
         )
         _, event_id, scheduled_for, invocation_id = _cause_columns(expected)
         if event_id is not None:
-            rows = rows.filter(cause_event_id=event_id)
+            filters["cause_event_id"] = event_id
         elif scheduled_for is not None:
-            rows = rows.filter(cause_scheduled_for=scheduled_for)
+            filters["cause_scheduled_for"] = scheduled_for
         else:
-            rows = rows.filter(cause_webhook_invocation_id=invocation_id)
+            filters["cause_webhook_invocation_id"] = invocation_id
+    return filters
+
+
+def _claim_queryset(filters: dict[str, object], using: str):
     # The oldest pending row nobody else holds: a locked row is someone else's
     # claim in flight, so skip it rather than queue behind it.
+    rows = WorkflowAgentDelivery.objects.using(using).filter(**filters)
     return rows.order_by("created_at", "id").select_for_update(skip_locked=True).values("id")[:1]
+
+
+def _placeholder(position: int, value: object) -> object:
+    """A value of ``value``'s type that no other filter of the same claim carries."""
+    if isinstance(value, UUID):
+        return UUID(int=position + 1)
+    if isinstance(value, bytes):
+        return position.to_bytes(32, "big")
+    if isinstance(value, datetime):
+        return datetime(2000, 1, 1, tzinfo=UTC) + timedelta(seconds=position)
+    return f"claim-parameter-{position}"
+
+
+# Claim statements compiled from the queryset, by (alias, filtered fields). Building
+# and compiling the queryset cost more than the claim itself; only its shape decides
+# the SQL, so each shape is compiled once, with placeholders that reveal which
+# filter feeds which parameter.
+_CLAIM_STATEMENTS: dict[tuple[str, tuple[str, ...]], tuple[str, tuple[str, ...]]] = {}
+
+
+def _claim_statement(filters: dict[str, object], using: str) -> tuple[str, list[object]]:
+    shape = (using, tuple(filters))
+    compiled = _CLAIM_STATEMENTS.get(shape)
+    if compiled is None:
+        placeholders = {
+            name: _placeholder(position, value)
+            for position, (name, value) in enumerate(filters.items())
+        }
+        queryset = _claim_queryset(placeholders, using)
+        # Django compiles FOR UPDATE only inside a transaction; nothing runs here.
+        with transaction.atomic(using=using):
+            select_sql, params = queryset.query.get_compiler(using=using).as_sql()
+        field_of = {value: name for name, value in placeholders.items()}
+        order = tuple(field_of[getattr(param, "obj", param)] for param in params)
+        compiled = _CLAIM_STATEMENTS[shape] = (sql.claim_statement(select_sql), order)
+    statement, order = compiled
+    return statement, [filters[name] for name in order]
 
 
 def claim_delivery(
@@ -371,15 +412,14 @@ def claim_delivery(
             raise ProtocolError("expected", "must be a DeliveryBinding")
         if expected.community_id != community_id or expected.target_pubkey != target_pubkey:
             return None
-    queryset = _claim_queryset(community_id, target_pubkey, delivery_id, expected, using)
-    # One statement: the locking SELECT and the UPDATE share one transaction (ours,
-    # or the caller's), so the row lock lasts exactly as long as needed. Django only
-    # compiles FOR UPDATE inside a transaction, hence atomic even for one statement.
-    with transaction.atomic(using=using), _database_errors():
-        select_sql, params = queryset.query.get_compiler(using=using).as_sql()
-        with connections[using].cursor() as cursor:
-            cursor.execute(sql.claim_statement(select_sql), [*params, seconds])
-            row = cursor.fetchone()
+    filters = _claim_filters(community_id, target_pubkey, delivery_id, expected)
+    statement, params = _claim_statement(filters, using)
+    # One statement: the locking SELECT and the UPDATE share one transaction (the
+    # statement's own in autocommit, or the caller's), so the row lock lasts exactly
+    # as long as needed.
+    with _database_errors(), connections[using].cursor() as cursor:
+        cursor.execute(statement, [*params, seconds])
+        row = cursor.fetchone()
     if row is None:
         return None
     record = _record(row)
