@@ -42,14 +42,12 @@ HEX64 = re.compile(r"[0-9a-fA-F]{64}")
 SHORT_HEX = 12
 
 
-def _hex(value: bytes | memoryview | None) -> str | None:
-    return None if value is None else bytes(value).hex()
+def _hex(value: bytes | memoryview) -> str:
+    return bytes(value).hex()
 
 
-def _short(full: str | None, keep: int = SHORT_HEX) -> SafeString | None:
+def _short(full: str, keep: int = SHORT_HEX) -> SafeString:
     """The start of a long identifier; the whole of it on hover."""
-    if full is None:
-        return None
     return format_html('<span title="{}">{}…</span>', full, full[:keep])
 
 
@@ -59,32 +57,31 @@ def _link(model: type[Model], object_id: object, label: object) -> SafeString:
     return format_html('<a href="{}">{}</a>', url, label)
 
 
-def hex_field(name: str, *, short: bool = False) -> Callable[[Model], object]:
-    """A read-only column or detail field showing a bytes field as hex."""
+def _when(value: datetime) -> str:
+    """To the second: leases are seconds long."""
+    return date_format(timezone.localtime(value), "Y-m-d H:i:s T")
 
-    @admin.display(description=name.replace("_", " "))
+
+def shown_as(
+    name: str, render: Callable[[Any], object], *, ordering: str | None = None
+) -> Callable[[Model], object]:
+    """A read-only column or detail field showing the field ``name`` through ``render``."""
+
+    @admin.display(description=name.replace("_", " "), ordering=ordering)
     def show(obj: Model) -> object:
-        full = _hex(getattr(obj, name))
-        return _short(full) if short else full
+        value = getattr(obj, name)
+        return None if value is None else render(value)
 
     show.__name__ = name
     return show
 
 
-def _when(value: datetime | None) -> str | None:
-    """To the second: leases are seconds long."""
-    return None if value is None else date_format(timezone.localtime(value), "Y-m-d H:i:s T")
+def hex_field(name: str, *, short: bool = False) -> Callable[[Model], object]:
+    return shown_as(name, (lambda value: _short(_hex(value))) if short else _hex)
 
 
 def time_field(name: str) -> Callable[[Model], object]:
-    """A read-only column or detail field showing a timestamp to the second."""
-
-    @admin.display(description=name.replace("_", " "), ordering=name)
-    def show(obj: Model) -> object:
-        return _when(getattr(obj, name))
-
-    show.__name__ = name
-    return show
+    return shown_as(name, _when, ordering=name)
 
 
 class ReadOnlyAdmin(admin.ModelAdmin):
@@ -130,9 +127,6 @@ class ReadOnlyAdmin(admin.ModelAdmin):
             return [(f"{field}__icontains", term) for field in self.search_fields]
         return [(field, value) for field in self.uuid_search_fields]
 
-    def _may(self, request: HttpRequest, codename: str) -> bool:
-        return request.user.has_perm(f"{self.opts.app_label}.{codename}")
-
     def _report(self, request: HttpRequest, action: str, done: int, considered: int) -> None:
         skipped = considered - done
         self.message_user(
@@ -156,6 +150,27 @@ def _log_operator_change(
         action_flag=CHANGE,
         change_message=message,
     )
+
+
+def operator_permission(codename: str) -> Callable[[admin.ModelAdmin, HttpRequest], bool]:
+    """The ``has_<codename>_permission`` method behind ``@admin.action(permissions=[codename])``."""
+
+    def has_permission(self: admin.ModelAdmin, request: HttpRequest) -> bool:
+        return request.user.has_perm(f"{self.opts.app_label}.{codename}")
+
+    return has_permission
+
+
+def lifecycle_action(
+    codename: str, label: str, source: DeletionState, target: DeletionState
+) -> Callable[[CommunityAdmin, HttpRequest, QuerySet], None]:
+    """An action moving the selected communities in ``source`` to ``target``."""
+
+    @admin.action(permissions=[codename], description=f"{label} ({source} → {target})")
+    def action(modeladmin: CommunityAdmin, request: HttpRequest, queryset: QuerySet) -> None:
+        modeladmin.move(request, queryset, source, target, label)
+
+    return action
 
 
 @admin.register(Community)
@@ -184,13 +199,13 @@ class CommunityAdmin(ReadOnlyAdmin):
     ]
     actions = ["begin_deletion", "fence_communities", "tombstone", "cancel_deletion"]
 
-    def _move(
+    def move(
         self,
         request: HttpRequest,
         queryset: QuerySet,
         source: DeletionState,
         target: DeletionState,
-        action: str,
+        label: str,
     ) -> None:
         moved = []
         for community in queryset.filter(deletion_state=source):
@@ -200,41 +215,29 @@ class CommunityAdmin(ReadOnlyAdmin):
                 continue  # moved on by someone else since the page was read
             moved.append(community)
         _log_operator_change(
-            request, Community, moved, f"{action} ({source} -> {target}) by an operator"
+            request, Community, moved, f"{label} ({source} -> {target}) by an operator"
         )
-        self._report(request, action, len(moved), queryset.count())
+        self._report(request, label, len(moved), queryset.count())
 
-    @admin.action(permissions=["begin_community_deletion"], description="Begin deletion")
-    def begin_deletion(self, request: HttpRequest, queryset: QuerySet) -> None:
-        self._move(
-            request, queryset, DeletionState.ACTIVE, DeletionState.QUIESCING, "Begin deletion"
-        )
-
-    @admin.action(permissions=["fence_community"], description="Fence quiescing communities")
-    def fence_communities(self, request: HttpRequest, queryset: QuerySet) -> None:
-        self._move(request, queryset, DeletionState.QUIESCING, DeletionState.FENCED, "Fence")
-
-    @admin.action(permissions=["tombstone_community"], description="Tombstone fenced communities")
-    def tombstone(self, request: HttpRequest, queryset: QuerySet) -> None:
-        self._move(request, queryset, DeletionState.FENCED, DeletionState.TOMBSTONE, "Tombstone")
-
-    @admin.action(permissions=["cancel_community_deletion"], description="Cancel deletion")
-    def cancel_deletion(self, request: HttpRequest, queryset: QuerySet) -> None:
-        self._move(
-            request, queryset, DeletionState.QUIESCING, DeletionState.ACTIVE, "Cancel deletion"
-        )
-
-    def has_begin_community_deletion_permission(self, request: HttpRequest) -> bool:
-        return self._may(request, "begin_community_deletion")
-
-    def has_fence_community_permission(self, request: HttpRequest) -> bool:
-        return self._may(request, "fence_community")
-
-    def has_tombstone_community_permission(self, request: HttpRequest) -> bool:
-        return self._may(request, "tombstone_community")
-
-    def has_cancel_community_deletion_permission(self, request: HttpRequest) -> bool:
-        return self._may(request, "cancel_community_deletion")
+    begin_deletion = lifecycle_action(
+        "begin_community_deletion", "Begin deletion", DeletionState.ACTIVE, DeletionState.QUIESCING
+    )
+    fence_communities = lifecycle_action(
+        "fence_community", "Fence", DeletionState.QUIESCING, DeletionState.FENCED
+    )
+    tombstone = lifecycle_action(
+        "tombstone_community", "Tombstone", DeletionState.FENCED, DeletionState.TOMBSTONE
+    )
+    cancel_deletion = lifecycle_action(
+        "cancel_community_deletion",
+        "Cancel deletion",
+        DeletionState.QUIESCING,
+        DeletionState.ACTIVE,
+    )
+    has_begin_community_deletion_permission = operator_permission("begin_community_deletion")
+    has_fence_community_permission = operator_permission("fence_community")
+    has_tombstone_community_permission = operator_permission("tombstone_community")
+    has_cancel_community_deletion_permission = operator_permission("cancel_community_deletion")
 
 
 @admin.display(description="community", ordering="community__host")
@@ -454,7 +457,7 @@ class DeliveryAdmin(ReadOnlyAdmin):
         return format_html("{} {}", obj.cause_kind, identity)
 
     @admin.display(description="lease until", ordering="lease_until")
-    def lease_expiry(self, obj: WorkflowAgentDelivery) -> SafeString | None:
+    def lease_expiry(self, obj: WorkflowAgentDelivery) -> str | None:
         if obj.lease_until is None:
             return None
         shown = _when(obj.lease_until)
@@ -462,7 +465,7 @@ class DeliveryAdmin(ReadOnlyAdmin):
         # the holder decide by the database clock.
         if obj.lease_until < timezone.now():
             return format_html('<strong class="wd-lease-expired">{} (expired)</strong>', shown)
-        return format_html("{}", shown)
+        return shown
 
     @admin.action(
         permissions=["reap_deliveries"],
@@ -518,11 +521,6 @@ class DeliveryAdmin(ReadOnlyAdmin):
             _log_operator_change(request, WorkflowAgentDelivery, changed, log_message)
         self._report(request, action, len(done), sum(map(len, by_community.values())))
 
-    def has_reap_deliveries_permission(self, request: HttpRequest) -> bool:
-        return self._may(request, "reap_deliveries")
-
-    def has_release_delivery_permission(self, request: HttpRequest) -> bool:
-        return self._may(request, "release_delivery")
-
-    def has_fail_delivery_permission(self, request: HttpRequest) -> bool:
-        return self._may(request, "fail_delivery")
+    has_reap_deliveries_permission = operator_permission("reap_deliveries")
+    has_release_delivery_permission = operator_permission("release_delivery")
+    has_fail_delivery_permission = operator_permission("fail_delivery")
