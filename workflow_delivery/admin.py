@@ -189,14 +189,7 @@ class CommunityAdmin(ReadOnlyAdmin):
     search_fields = ["host"]
     uuid_search_fields = ("id",)
     search_help_text = "A host, or a community id."
-    fields = [
-        "id",
-        "host",
-        "deletion_state",
-        "deletion_fence_generation",
-        "deleted_at",
-        "created_at",
-    ]
+    fields = ["id", *list_display]
     actions = ["begin_deletion", "fence_communities", "tombstone", "cancel_deletion"]
 
     def move(
