@@ -101,9 +101,9 @@ valid_causes = st.one_of(
     uuids.map(WebhookCause),
 )
 non_nil_uuids = uuids.filter(lambda value: value.int != 0)
-step_ids = st.text(st.characters(exclude_characters="\x00"), min_size=1, max_size=64).filter(
-    lambda value: not value.isspace()
-)
+step_ids = st.text(
+    st.characters(codec="utf-8", exclude_characters="\x00"), min_size=1, max_size=64
+).filter(lambda value: not value.isspace())
 
 
 def bytes_like(data: bytes) -> st.SearchStrategy[object]:
