@@ -293,11 +293,9 @@ def delivery_identity(
     with transaction.atomic(using=using):
         with _database_errors(), connections[using].cursor() as cursor:
             # Transaction-scoped: released by our commit or rollback, never leaked.
-            cursor.execute(
-                sql.LOCK_STEP_IDENTITY,
-                [str(community_id), str(run_id), probe, community_id, run_id, probe],
-            )
-            exists = bool(cursor.fetchone()[1])
+            cursor.execute(sql.LOCK_STEP_IDENTITY, [str(community_id), str(run_id), probe])
+            cursor.execute(sql.STEP_EXISTS, [community_id, run_id, probe])
+            exists = bool(cursor.fetchone()[0])
         yield StepIdentity(community_id, run_id, probe, exists, using)
 
 

@@ -47,13 +47,18 @@ INSERT_ROW_WIDTH = len(_INSERT_COLUMNS)
 
 # Identity lock of one (community, run, step): producers of the same step queue
 # here, so the "already exists?" answer stays true until the commit lands.
-LOCK_STEP_IDENTITY = f"""
+LOCK_STEP_IDENTITY = """
 SELECT pg_advisory_xact_lock(hashtextextended(
-           'workflow_delivery.delivery_identity:' || %s || ':' || %s || ':' || %s, 0)),
-       EXISTS (
-           SELECT 1 FROM {DELIVERIES}
-           WHERE community_id = %s AND run_id = %s AND step_id = %s
-       )
+           'workflow_delivery.delivery_identity:' || %s || ':' || %s || ':' || %s, 0))
+"""
+
+# Asked in its own statement once the lock is held: a statement sees only what was
+# committed when it began, so the locking statement would miss the commit of the
+# producer it waited for.
+STEP_EXISTS = f"""
+SELECT EXISTS (
+    SELECT 1 FROM {DELIVERIES} WHERE community_id = %s AND run_id = %s AND step_id = %s
+)
 """
 
 
