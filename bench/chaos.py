@@ -1,6 +1,6 @@
 """Chaos harness: a fleet of producers, agents and a reaper under injected faults.
 
-    python bench/chaos.py [--agents 8] [--seconds 60] [--lease 3] [--deliveries 2000]
+    python bench/chaos.py [--agents 8] [--seconds 60] [--lease 3] [--deliveries 1500]
                           [--database-url URL] [--allow-restart]
 
 Producers commit steps with several targets through ``services.delivery_identity``; agents
@@ -54,7 +54,7 @@ class ChaosConfig:
     targets: int = 3
     seconds: float = 60.0
     lease: int = 3
-    deliveries: int = 2000
+    deliveries: int = 1500
     reap_interval: float = 1.0
     kills: int | None = None
     stalls: int | None = None
@@ -63,7 +63,7 @@ class ChaosConfig:
     database_url: str | None = None
     allow_restart: bool = False
     drain_seconds: float | None = None
-    long_work_share: float = 0.15
+    long_work_share: float = 0.05
     idle_poll: float = 0.1
     seed: int = field(default_factory=lambda: random.randrange(1 << 30))
     journal_dir: Path | None = None
@@ -432,7 +432,7 @@ def parse_args(argv: list[str] | None = None) -> ChaosConfig:
     parser.add_argument("--producers", type=int, default=2)
     parser.add_argument("--seconds", type=float, default=60.0, help="length of the fault window")
     parser.add_argument("--lease", type=int, default=3, help="lease seconds (2-5 is realistic)")
-    parser.add_argument("--deliveries", type=int, default=2000)
+    parser.add_argument("--deliveries", type=int, default=1500)
     parser.add_argument("--reap-interval", type=float, default=1.0)
     parser.add_argument("--kills", type=int)
     parser.add_argument("--stalls", type=int)

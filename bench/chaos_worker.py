@@ -218,7 +218,7 @@ def run_agent(config: dict[str, Any], index: int, journal: Journal) -> None:
     def hold(lease: Any) -> None:
         """Work on a claimed delivery, renewing at a third of the lease, then settle it."""
         long_job = rng.random() < config["long_work_share"]
-        work = lease_seconds * rng.uniform(0.5, 1.6) if long_job else rng.uniform(0.02, 0.25)
+        work = lease_seconds * rng.uniform(0.5, 1.6) if long_job else rng.uniform(0.01, 0.1)
         done_at = time.monotonic() + work
         while time.monotonic() < done_at:
             nap = max(0.0, min(lease_seconds / 3, done_at - time.monotonic()))
