@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import signal
+import urllib.request
 from collections.abc import Callable, Iterator
 from io import StringIO
 
@@ -236,6 +238,39 @@ def test_the_loop_survives_a_terminated_connection(on_sweep, monkeypatch):
     ]
     assert states(first) == {("pending", 2)}
     assert states(second) == {("pending", 2)}
+
+
+@pytest.mark.django_db(transaction=True)
+def test_serve_demo_serves_the_admin_beside_the_reaper_until_a_signal(on_sweep):
+    healthy = expired_step(2)
+    out = StringIO()
+    pages: list[int] = []
+
+    def visit_then_stop(record: logging.LogRecord) -> None:
+        port = re.search(r"http://127\.0\.0\.1:(\d+)/admin/", out.getvalue()).group(1)
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/admin/login/") as page:
+            pages.append(page.status)
+        signal.raise_signal(signal.SIGTERM)
+
+    on_sweep(visit_then_stop)
+    call_command("serve_demo", "127.0.0.1:0", "--interval", "0.01", stdout=out)
+    assert pages == [200]
+    assert "reaper stopped by SIGTERM: 1 sweeps (0 failed), reclaimed 2 expired leases" in (
+        out.getvalue()
+    )
+    assert states(healthy) == {("pending", 2)}
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["nowhere"], "address must be host:port"),
+        (["127.0.0.1:0", "--interval", "0"], "--interval must be a positive number"),
+    ],
+)
+def test_serve_demo_bad_arguments_are_refused(args, message):
+    with pytest.raises(CommandError, match=message):
+        run("serve_demo", *args)
 
 
 def test_delivery_stats_counts_per_community_and_status(db, raw):

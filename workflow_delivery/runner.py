@@ -16,6 +16,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from types import FrameType
 
+from django.core.management.base import CommandError
 from django.db import (
     DEFAULT_DB_ALIAS,
     InterfaceError,
@@ -31,6 +32,7 @@ from .models import WorkflowAgentDelivery
 logger = logging.getLogger("workflow_delivery.reaper")
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+VERBOSITY_LEVELS = {0: logging.WARNING, 1: logging.INFO}
 # Errors of a connection that went away; anything else is a bug and ends the loop.
 CONNECTION_ERRORS = (OperationalError, InterfaceError)
 
@@ -82,6 +84,26 @@ def stop_on_signals() -> Iterator[StopRequest]:
             signal.signal(signum, handler)
 
 
+@contextmanager
+def log_level(verbosity: int) -> Iterator[None]:
+    """Tie the reaper's logging to a command's --verbosity (2 and up: every batch)."""
+    previous = logger.level
+    logger.setLevel(VERBOSITY_LEVELS.get(verbosity, logging.DEBUG))
+    try:
+        yield
+    finally:
+        logger.setLevel(previous)
+
+
+def positive(option: str, value: object, *, whole: bool) -> None:
+    """Refuse a command option that is not positive. Checked in the command rather
+    than by argparse, so ``call_command(..., interval=0)`` is refused too."""
+    kinds = int if whole else int | float
+    if isinstance(value, bool) or not isinstance(value, kinds) or not value > 0:
+        noun = "whole number" if whole else "number of seconds"
+        raise CommandError(f"{option} must be a positive {noun}, not {value!r}")
+
+
 @dataclass(frozen=True, slots=True)
 class Sweep:
     """What one pass of the reaper did (or, dry, would do)."""
@@ -111,6 +133,13 @@ class LoopSummary:
     failed: int
     reclaimed: int
     stopped_by: str | None
+
+    def __str__(self) -> str:
+        ending = f"stopped by {self.stopped_by}" if self.stopped_by else "done"
+        return (
+            f"{ending}: {self.sweeps} sweeps ({self.failed} failed), "
+            f"reclaimed {self.reclaimed} expired leases"
+        )
 
 
 class Reaper:

@@ -2,37 +2,13 @@
 
 from __future__ import annotations
 
-import logging
 from argparse import ArgumentParser
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError
 
 from workflow_delivery.conf import app_settings
-from workflow_delivery.runner import Reaper, Sweep, logger, stop_on_signals
-
-VERBOSITY_LEVELS = {0: logging.WARNING, 1: logging.INFO}
-
-
-@contextmanager
-def _log_level(verbosity: int) -> Iterator[None]:
-    previous = logger.level
-    logger.setLevel(VERBOSITY_LEVELS.get(verbosity, logging.DEBUG))
-    try:
-        yield
-    finally:
-        logger.setLevel(previous)
-
-
-def _positive(option: str, value: Any, *, whole: bool) -> Any:
-    # Checked here rather than by argparse, so call_command(interval=0) is refused too.
-    kinds = int if whole else int | float
-    if isinstance(value, bool) or not isinstance(value, kinds) or not value > 0:
-        noun = "whole number" if whole else "number of seconds"
-        raise CommandError(f"{option} must be a positive {noun}, not {value!r}")
-    return value
+from workflow_delivery.runner import Reaper, Sweep, log_level, positive, stop_on_signals
 
 
 class Command(BaseCommand):
@@ -76,12 +52,12 @@ class Command(BaseCommand):
         batch_size = options["batch_size"]
         if batch_size is None:
             batch_size = app_settings.REAP_BATCH_SIZE
-        _positive("--interval", interval, whole=False)
-        _positive("--batch-size", batch_size, whole=True)
+        positive("--interval", interval, whole=False)
+        positive("--batch-size", batch_size, whole=True)
         if options["max_sweeps"] is not None:
-            _positive("--max-sweeps", options["max_sweeps"], whole=True)
+            positive("--max-sweeps", options["max_sweeps"], whole=True)
         reaper = Reaper(batch_size=batch_size, dry_run=options["dry_run"])
-        with _log_level(options["verbosity"]):
+        with log_level(options["verbosity"]):
             if loop:
                 self._loop(reaper, interval, options["max_sweeps"])
             else:
@@ -99,8 +75,4 @@ class Command(BaseCommand):
     def _loop(self, reaper: Reaper, interval: float, max_sweeps: int | None) -> None:
         with stop_on_signals() as stop:
             summary = reaper.loop(interval=interval, stop=stop, max_sweeps=max_sweeps)
-        ending = f"stopped by {summary.stopped_by}" if summary.stopped_by else "done"
-        self.stdout.write(
-            f"{ending}: {summary.sweeps} sweeps ({summary.failed} failed), "
-            f"reclaimed {summary.reclaimed} expired leases"
-        )
+        self.stdout.write(str(summary))
