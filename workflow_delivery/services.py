@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from datetime import UTC, datetime, timedelta
 from uuid import UUID
 
@@ -277,26 +277,34 @@ class StepIdentity:
 
 
 @contextmanager
+def _locked_step(
+    community_id: UUID | str, run_id: UUID | str, step_id: str, using: str, *, ask_exists: bool
+) -> Iterator[StepIdentity]:
+    probe = as_step_id(step_id)
+    community_id = as_uuid("community_id", community_id)
+    run_id = as_uuid("run_id", run_id)
+    with transaction.atomic(using=using):
+        exists = False
+        with _database_errors(), connections[using].cursor() as cursor:
+            # Transaction-scoped: released by our commit or rollback, never leaked.
+            cursor.execute(sql.LOCK_STEP_IDENTITY, [str(community_id), str(run_id), probe])
+            if ask_exists:
+                cursor.execute(sql.STEP_EXISTS, [community_id, run_id, probe])
+                exists = bool(cursor.fetchone()[0])
+        yield StepIdentity(community_id, run_id, probe, exists, using)
+
+
 def delivery_identity(
     community_id: UUID | str,
     run_id: UUID | str,
     step_id: str,
     *,
     using: str = DEFAULT_DB_ALIAS,
-) -> Iterator[StepIdentity]:
+) -> AbstractContextManager[StepIdentity]:
     """Open a transaction holding the step's identity lock. ``.exists`` tells whether
     the step already has deliveries (reuse the signed message); ``.commit`` inserts
     them. The producer's own writes in the block commit or roll back with them."""
-    probe = as_step_id(step_id)
-    community_id = as_uuid("community_id", community_id)
-    run_id = as_uuid("run_id", run_id)
-    with transaction.atomic(using=using):
-        with _database_errors(), connections[using].cursor() as cursor:
-            # Transaction-scoped: released by our commit or rollback, never leaked.
-            cursor.execute(sql.LOCK_STEP_IDENTITY, [str(community_id), str(run_id), probe])
-            cursor.execute(sql.STEP_EXISTS, [community_id, run_id, probe])
-            exists = bool(cursor.fetchone()[0])
-        yield StepIdentity(community_id, run_id, probe, exists, using)
+    return _locked_step(community_id, run_id, step_id, using, ask_exists=True)
 
 
 def commit_deliveries(
@@ -309,7 +317,11 @@ def commit_deliveries(
     """Commit the deliveries of one (run, step) in one call; returns the ids created."""
     batch = _new_deliveries(deliveries)
     first = batch[0].binding
-    with delivery_identity(community_id, first.run_id, first.step_id, using=using) as identity:
+    # Nobody here asks whether the step exists (ON CONFLICT already makes a retry
+    # create nothing), so the lock is taken without that extra statement.
+    with _locked_step(
+        community_id, first.run_id, first.step_id, using, ask_exists=False
+    ) as identity:
         return identity.commit(message_event_created_at, batch)
 
 

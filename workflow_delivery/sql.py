@@ -8,6 +8,8 @@ parameters.
 
 from __future__ import annotations
 
+from functools import lru_cache
+
 from django.db import connection
 from django.db.backends.utils import CursorWrapper
 
@@ -62,6 +64,7 @@ SELECT EXISTS (
 """
 
 
+@lru_cache(maxsize=64)
 def insert_deliveries(count: int) -> str:
     """One multi-row insert of ``count`` deliveries; an existing identity is skipped."""
     row = "(" + ", ".join(["%s"] * INSERT_ROW_WIDTH) + ")"
