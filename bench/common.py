@@ -6,7 +6,9 @@ API (stable for ``bench/chaos.py`` and friends):
 
 - ``bench_database(prefix="buzz_bench")``: context manager; creates, migrates and
   finally drops a fresh database on the configured server and yields a ``BenchDb``.
-- ``setup_django(name)``: in a worker process, point Django at database ``name``.
+- ``setup_django(name, server_side_binding=False)``: in a worker process, point Django
+  at database ``name`` (optionally with psycopg server-side binding, which lets
+  psycopg prepare repeated statements).
 - ``BenchDb.connect()`` / ``connect(conninfo)``: an autocommit psycopg connection.
 - ``create_tenant(conn, label)`` → ``Tenant``; ``seed_deliveries(conn, tenant, count,
   state=…)``; ``truncate_deliveries(conn)``; ``vacuum(conn)``.
@@ -56,7 +58,7 @@ def server_settings() -> dict[str, Any]:
     return dict(settings.DATABASES["default"])
 
 
-def setup_django(name: str) -> None:
+def setup_django(name: str, *, server_side_binding: bool = False) -> None:
     """Point this process's Django at database ``name`` and set it up. Must run
     before anything opens a connection (the app's ``sql`` module does at import)."""
     _environment()
@@ -64,6 +66,8 @@ def setup_django(name: str) -> None:
     from django.conf import settings
 
     settings.DATABASES["default"]["NAME"] = name
+    if server_side_binding:
+        settings.DATABASES["default"].setdefault("OPTIONS", {})["server_side_binding"] = True
     django.setup()
 
 
@@ -86,6 +90,10 @@ def connect(info: dict[str, Any]) -> psycopg.Connection:
 class BenchDb:
     name: str
     conninfo: dict[str, Any]
+    server_side_binding: bool = False
+
+    def setup_django(self) -> None:
+        setup_django(self.name, server_side_binding=self.server_side_binding)
 
     def connect(self) -> psycopg.Connection:
         return connect(self.conninfo)
@@ -96,7 +104,9 @@ def _raise_exit(signum: int, frame: object) -> None:
 
 
 @contextmanager
-def bench_database(prefix: str = "buzz_bench", *, quiet: bool = False) -> Iterator[BenchDb]:
+def bench_database(
+    prefix: str = "buzz_bench", *, quiet: bool = False, server_side_binding: bool = False
+) -> Iterator[BenchDb]:
     """Create ``<prefix>_<pid>`` on the configured server, migrate it, and drop it at
     the end, also on Ctrl-C or SIGTERM. No other database is touched."""
     entry = server_settings()
@@ -106,11 +116,11 @@ def bench_database(prefix: str = "buzz_bench", *, quiet: bool = False) -> Iterat
     with connect(admin) as conn:
         conn.execute(f'CREATE DATABASE "{name}"')
     try:
-        setup_django(name)
+        setup_django(name, server_side_binding=server_side_binding)
         from django.core.management import call_command
 
         call_command("migrate", verbosity=0 if quiet else 1, interactive=False)
-        yield BenchDb(name, conninfo(entry, name))
+        yield BenchDb(name, conninfo(entry, name), server_side_binding)
     finally:
         from django.db import connections
 

@@ -64,6 +64,12 @@ def _arguments(argv: list[str] | None) -> argparse.Namespace:
         default=2,
         help="alternating baseline/service rounds of throughput and producer",
     )
+    parser.add_argument(
+        "--server-side-binding",
+        action="store_true",
+        help="run the service API with Django's psycopg server-side binding (a deployment "
+        "option that lets psycopg prepare repeated statements); off by default",
+    )
     parser.add_argument("--json", type=Path, default=None, metavar="PATH")
     args = parser.parse_args(argv)
     unknown = [name for name in args.benchmarks if name not in BENCHMARKS]
@@ -142,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     started = time.time()
     figures: list[Figure] = []
-    with common.bench_database(quiet=True) as db:
+    with common.bench_database(quiet=True, server_side_binding=args.server_side_binding) as db:
         postgres = _postgres(db)
         for name in selected:
             began = time.monotonic()
@@ -156,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
             "started": time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(started)),
             "elapsed_seconds": round(time.time() - started, 1),
             "command": " ".join(["bench/run.py", *(argv if argv is not None else sys.argv[1:])]),
-            "options": vars(options),
+            "options": {**vars(options), "server_side_binding": args.server_side_binding},
             "machine": _machine(),
             "postgres": postgres,
             "figures": [f.as_dict() for f in figures],

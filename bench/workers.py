@@ -98,7 +98,7 @@ def _targets(spec: Spec, n: int) -> list[bytes]:
 
 
 def _service_cycle(spec: Spec) -> tuple[Unit, Callable[[], None]]:
-    common.setup_django(spec.db.name)
+    spec.db.setup_django()
     from django.db import connections
 
     from workflow_delivery import services
@@ -142,7 +142,7 @@ def _baseline_cycle(spec: Spec) -> tuple[Unit, Callable[[], None]]:
 
 
 def _service_produce(spec: Spec) -> tuple[Unit, Callable[[], None]]:
-    common.setup_django(spec.db.name)
+    spec.db.setup_django()
     from django.db import connections
 
     from workflow_delivery import services

@@ -1,0 +1,41 @@
+"""The benchmark harness runs end to end on a few rows and drops its database.
+No figure is asserted: timings belong to bench/RESULTS.md, not to tests."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from django.db import connection
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.mark.slow
+def test_harness_runs_and_drops_its_database(db, tmp_path: Path) -> None:
+    report = tmp_path / "bench.json"
+    command = [sys.executable, str(ROOT / "bench" / "run.py"), "throughput", "reap"]
+    command += ["--seconds", "0.3", "--warmup", "0", "--workers", "1", "--rounds", "1"]
+    command += ["--rows", "200", "--json", str(report)]
+    proc = subprocess.Popen(
+        command, cwd=ROOT, env=os.environ.copy(), stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    )
+    out, err = proc.communicate(timeout=240)
+    assert proc.returncode == 0, err.decode()[-2000:]
+
+    results = json.loads(report.read_text())
+    names = {(f["benchmark"], f["name"].split(",")[0]) for f in results["figures"]}
+    assert ("throughput", "claim+finish") in names
+    assert any(benchmark == "reap" for benchmark, _ in names)
+    assert b"throughput" in out
+    assert results["postgres"]["version"].startswith("PostgreSQL")
+
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "SELECT count(*) FROM pg_database WHERE datname = %s", [f"buzz_bench_{proc.pid}"]
+        )
+        assert cursor.fetchone()[0] == 0
