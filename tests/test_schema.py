@@ -414,14 +414,37 @@ def test_partial_indexes_have_their_predicates(db, raw):
 
 
 def test_claim_uses_the_partial_index(step, raw):
-    raw.execute("SET LOCAL enable_seqscan = off")
+    # A realistic table: many targets, most rows settled, so the planner's choice
+    # is the index's merit and not an artefact of an empty table.
+    raw.execute(
+        """
+        INSERT INTO workflow_agent_deliveries (
+            id, community_id, workflow_id, run_id, step_id, target_pubkey,
+            definition_event_id, message_event_id, message_event_created_at,
+            cause_kind, cause_event_id, status, finished_at)
+        SELECT gen_random_uuid(), %s, %s, %s, 'step-' || n, sha256(int4send(n %% 64)),
+               %s, %s, %s, 'event', sha256(int4send(n)),
+               CASE WHEN n %% 10 = 0 THEN 'pending' ELSE 'finished' END,
+               CASE WHEN n %% 10 = 0 THEN NULL ELSE now() END
+          FROM generate_series(1, 5000) AS n
+        """,
+        [
+            step.community.id,
+            step.workflow.id,
+            step.run.id,
+            step.definition_event_id,
+            bytes(step.message.id),
+            step.created_at,
+        ],
+    )
+    raw.execute("ANALYZE workflow_agent_deliveries")
     raw.execute(
         """
         EXPLAIN SELECT id FROM workflow_agent_deliveries
-         WHERE community_id = %s AND target_pubkey = %s AND status = 'pending'
-         ORDER BY created_at, id LIMIT 1
+         WHERE community_id = %s AND target_pubkey = sha256(int4send(7)) AND status = 'pending'
+         ORDER BY created_at, id LIMIT 1 FOR UPDATE SKIP LOCKED
         """,
-        [step.community.id, step.targets[0]],
+        [step.community.id],
     )
     plan = "\n".join(line for (line,) in raw.fetchall())
     assert "wd_delivery_claim_idx" in plan
