@@ -12,7 +12,9 @@ from __future__ import annotations
 import dataclasses
 import os
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import pytest
 from django.db import connection, transaction
@@ -228,21 +230,30 @@ class DeliveryMachine(RuleBasedStateMachine):
         # Every row was created in this transaction, so created_at ties and id decides.
         return min(candidates, key=lambda row: row.id, default=None)
 
-    def _claim(self, tenant: Tenant, target: bytes, delivery_id=None, expected=None):
-        winner = self._expected_claim(tenant, target, delivery_id, expected)
-        call = lambda: services.claim_delivery(  # noqa: E731
-            tenant.id,
-            target,
-            delivery_id=delivery_id,
-            expected=expected,
-            lease_seconds=LEASE_SECONDS,
-        )
-        if winner is not None and not tenant.active:
+    def _attempt(self, writes_to: Row | None, call: Callable[[], Any]) -> tuple[bool, Any]:
+        """Run ``call`` in a savepoint. When the model says it writes to a row of a
+        community that is not active, the fence must refuse it: returns (True, None)."""
+        if writes_to is not None and not self.tenant_of(writes_to.binding.community_id).active:
             with pytest.raises(CommunityWriteFenced), transaction.atomic():
                 call()
-            return multiple()
+            return True, None
         with transaction.atomic():
-            claimed = call()
+            return False, call()
+
+    def _claim(self, tenant: Tenant, target: bytes, delivery_id=None, expected=None):
+        winner = self._expected_claim(tenant, target, delivery_id, expected)
+        fenced, claimed = self._attempt(
+            winner,
+            lambda: services.claim_delivery(
+                tenant.id,
+                target,
+                delivery_id=delivery_id,
+                expected=expected,
+                lease_seconds=LEASE_SECONDS,
+            ),
+        )
+        if fenced:
+            return multiple()
         if winner is None:
             assert claimed is None
             return multiple()
@@ -301,13 +312,11 @@ class DeliveryMachine(RuleBasedStateMachine):
     @rule(lease=leases)
     def renew(self, lease: Lease) -> None:
         row = self._live(lease)
-        call = lambda: services.renew_delivery(lease, lease_seconds=LEASE_SECONDS)  # noqa: E731
-        if row is not None and not self.tenant_of(row.binding.community_id).active:
-            with pytest.raises(CommunityWriteFenced), transaction.atomic():
-                call()
+        fenced, result = self._attempt(
+            row, lambda: services.renew_delivery(lease, lease_seconds=LEASE_SECONDS)
+        )
+        if fenced:
             return
-        with transaction.atomic():
-            result = call()
         if row is None:
             assert result == LeaseLost()
         else:
@@ -316,13 +325,9 @@ class DeliveryMachine(RuleBasedStateMachine):
     @rule(lease=leases, outcome=st.sampled_from(list(Outcome)))
     def finish(self, lease: Lease, outcome: Outcome) -> None:
         row = self._live(lease)
-        call = lambda: services.finish_delivery(lease, outcome)  # noqa: E731
-        if row is not None and not self.tenant_of(row.binding.community_id).active:
-            with pytest.raises(CommunityWriteFenced), transaction.atomic():
-                call()
+        fenced, result = self._attempt(row, lambda: services.finish_delivery(lease, outcome))
+        if fenced:
             return
-        with transaction.atomic():
-            result = call()
         if row is not None:
             assert result == Settled(outcome)
             row.status = outcome.value
