@@ -61,7 +61,12 @@ class ChaosReport:
         return not self.worker_errors and all(getattr(self, n) == 0 for n in self.MUST_BE_ZERO)
 
     def describe(self, config: Any, server: Any, run_dir: Any) -> None:
-        where = "own embedded server" if server.data_dir else "configured server"
+        if server.data_dir:
+            where = "own embedded server"
+        elif server.restartable:
+            where = "configured server (restart allowed)"
+        else:
+            where = "configured server (not restarted: no --allow-restart)"
         self.header = (
             f"{config.agents} agents, {config.producers} producers, {config.targets} targets, "
             f"lease {config.lease} s, reaper every {config.reap_interval} s, "
