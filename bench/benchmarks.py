@@ -13,7 +13,7 @@ from statistics import mean
 from tqdm import tqdm
 
 from bench import common
-from bench.workers import BASELINE, SERVICE, Phase, Spec, run_phase, sleep_window
+from bench.workers import BASELINE, BOTH, SERVICE, Phase, Spec, run_phase, sleep_window
 
 # Claim + finish cycles one second of a phase may consume at most on this class of
 # machine; pending rows are seeded for that, so no phase runs dry.
@@ -108,11 +108,10 @@ def throughput(db: common.BenchDb, options: Options) -> list[Figure]:
     rates: dict[str, list[float]] = {SERVICE: [], BASELINE: []}
     notes: list[str] = []
     for round_ in range(1, options.rounds + 1):
-        # Alternating keeps a drift in machine load from favouring either side.
-        for api in (BASELINE, SERVICE):
-            phase = _cycle_phase(db, api, workers, options, f"throughput {api} #{round_}")
-            rates[api].append(phase.rate())
-            notes += [f"{api}: {note}" for note in _notes(phase)]
+        phase = _cycle_phase(db, BOTH, workers, options, f"throughput #{round_}")
+        for api in rates:
+            rates[api].append(phase.rate(api=api))
+        notes += _notes(phase)
     return [
         Figure(
             "throughput",
@@ -132,17 +131,17 @@ def producer(db: common.BenchDb, options: Options) -> list[Figure]:
     for size in (1, 10):
         rates: dict[str, list[float]] = {SERVICE: [], BASELINE: []}
         for round_ in range(1, options.rounds + 1):
-            for api in (BASELINE, SERVICE):
-                with db.connect() as conn:
-                    common.truncate_deliveries(conn)
-                    tenant = common.create_tenant(conn, "producer")
-                specs = [
-                    Spec("produce", api, i, db, tenant, step_size=size, label=f"{api}{round_}")
-                    for i in range(workers)
-                ]
-                desc = f"producer {size}-target {api} #{round_}"
-                phase = run_phase(specs, seconds=options.seconds, warmup=options.warmup, desc=desc)
-                rates[api].append(phase.rate())
+            with db.connect() as conn:
+                common.truncate_deliveries(conn)
+                tenant = common.create_tenant(conn, "producer")
+            specs = [
+                Spec("produce", BOTH, i, db, tenant, step_size=size, label=f"r{round_}")
+                for i in range(workers)
+            ]
+            desc = f"producer {size}-target #{round_}"
+            phase = run_phase(specs, seconds=options.seconds, warmup=options.warmup, desc=desc)
+            for api in rates:
+                rates[api].append(phase.rate(api=api))
         figures.append(
             Figure(
                 "producer",
@@ -158,19 +157,22 @@ def producer(db: common.BenchDb, options: Options) -> list[Figure]:
 
 def history(db: common.BenchDb, options: Options) -> list[Figure]:
     workers = options.workers or 8
-    empty = _cycle_phase(db, SERVICE, workers, options, "history: none")
+    # Runs without history bracket the one with it, so a drift in machine load
+    # between the phases cancels out instead of landing on one side.
+    before = _cycle_phase(db, SERVICE, workers, options, "history: none")
     full = _cycle_phase(
         db, SERVICE, workers, options, f"history: {options.rows:,}", history=options.rows
     )
+    after = _cycle_phase(db, SERVICE, workers, options, "history: none again")
     return [
         Figure(
             "history",
             f"claim+finish with {options.rows:,} terminal rows vs none, {workers} workers",
             full.rate(),
-            empty.rate(),
+            mean([before.rate(), after.rate()]),
             "cycles/s",
             bar=0.9,
-            notes=_notes(empty) + _notes(full),
+            notes=_notes(before) + _notes(full) + _notes(after),
         )
     ]
 
@@ -178,19 +180,23 @@ def history(db: common.BenchDb, options: Options) -> list[Figure]:
 def isolation(db: common.BenchDb, options: Options) -> list[Figure]:
     workers = options.workers or 8
     busy = options.rows // 5
-    alone = _cycle_phase(db, SERVICE, workers, options, "isolation: alone")
-    beside = _cycle_phase(
-        db, SERVICE, workers, options, f"isolation: beside {busy:,}", neighbour=busy
-    )
+    rates: dict[str, list[float]] = {"alone": [], "beside": []}
+    notes: list[str] = []
+    for round_ in range(1, options.rounds + 1):
+        for side, neighbour in (("alone", 0), ("beside", busy)):
+            desc = f"isolation: {side} #{round_}"
+            phase = _cycle_phase(db, SERVICE, workers, options, desc, neighbour=neighbour)
+            rates[side].append(phase.rate())
+            notes += _notes(phase)
     return [
         Figure(
             "isolation",
             f"quiet community beside {busy:,} pending vs alone, {workers} workers",
-            beside.rate(),
-            alone.rate(),
+            mean(rates["beside"]),
+            mean(rates["alone"]),
             "claims/s",
             bar=0.9,
-            notes=_notes(alone) + _notes(beside),
+            notes=notes,
         )
     ]
 
@@ -261,14 +267,11 @@ def reap(db: common.BenchDb, options: Options) -> list[Figure]:
 def latency(db: common.BenchDb, options: Options) -> list[Figure]:
     figures = []
     for workers in (1, options.workers or 8):
-        phases = {
-            api: _cycle_phase(db, api, workers, options, f"latency {api}, {workers} workers")
-            for api in (BASELINE, SERVICE)
-        }
+        phase = _cycle_phase(db, BOTH, workers, options, f"latency, {workers} workers")
         for which, op in (("first", "claim"), ("second", "finish")):
             for q in (50, 99):
                 value, base = (
-                    common.percentile(phases[api].latencies(which), q) * 1000
+                    common.percentile(phase.latencies(which, api=api), q) * 1000
                     for api in (SERVICE, BASELINE)
                 )
                 figures.append(

@@ -25,6 +25,11 @@ from bench import common
 
 SERVICE = "service"
 BASELINE = "baseline"
+# Both, taking turns in slices of the same window, all workers switching together:
+# load that comes and goes on the machine then falls on both sides alike.
+BOTH = "both"
+APIS = (SERVICE, BASELINE)
+SLICE_SECONDS = 1.0
 LEASE_SECONDS = 60
 BARRIER_TIMEOUT = 300.0
 
@@ -85,6 +90,7 @@ class Samples:
     units: list[int] = field(default_factory=list)
     first: list[float] = field(default_factory=list)
     second: list[float] = field(default_factory=list)
+    apis: list[int] = field(default_factory=list)
     misses: int = 0
     anomalies: int = 0
 
@@ -216,17 +222,22 @@ _LOOPS = {
 }
 
 
-def worker_main(spec: Spec, barrier: Any, stop: Any, results: Any) -> None:
+def worker_main(spec: Spec, barrier: Any, stop: Any, mode: Any, results: Any) -> None:
     # Ctrl-C reaches the whole process group; the parent alone decides to stop us.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    close: Callable[[], None] = lambda: None  # noqa: E731
+    closers: list[Callable[[], None]] = []
     samples = Samples()
     try:
-        unit, close = _LOOPS[spec.kind, spec.api](spec)
+        loops: list[Unit | None] = [None, None]
+        for code, api in enumerate(APIS):
+            if spec.api in (api, BOTH):
+                loops[code], close = _LOOPS[spec.kind, api](spec)
+                closers.append(close)
         barrier.wait()
         n = 0
         while not stop.is_set():
-            outcome = unit(n)
+            code = mode.value if spec.api == BOTH else APIS.index(spec.api)
+            outcome = loops[code](n)
             n += 1
             if outcome is None:
                 samples.misses += 1
@@ -236,6 +247,7 @@ def worker_main(spec: Spec, barrier: Any, stop: Any, results: Any) -> None:
             samples.units.append(units)
             samples.first.append(first)
             samples.second.append(second)
+            samples.apis.append(code)
             if spec.kind == "cycle" and units != 1:
                 samples.anomalies += 1
     except BaseException:  # noqa: BLE001 - any failure is reported to the parent as text
@@ -243,8 +255,9 @@ def worker_main(spec: Spec, barrier: Any, stop: Any, results: Any) -> None:
         results.put((spec.index, traceback.format_exc()))
         return
     finally:
-        # Each worker closes its own connection so the database can be dropped.
-        close()
+        # Each worker closes its own connections so the database can be dropped.
+        for close in closers:
+            close()
     results.put((spec.index, samples))
 
 
@@ -253,25 +266,31 @@ Window = tuple[float, float]
 
 @dataclass
 class Phase:
+    """Units of work stamped by the workers; ``turns`` holds, for a phase where both
+    sides took turns, each side's seconds inside the main window."""
+
     windows: dict[str, Window]
     samples: list[Samples]
+    turns: dict[str, float] = field(default_factory=dict)
 
-    def _in(self, window: str) -> list[tuple[int, float, float]]:
+    def _in(self, window: str, api: str | None) -> list[tuple[int, float, float]]:
         start, end = self.windows[window]
+        code = None if api is None else APIS.index(api)
         return [
             (u, a, b)
             for s in self.samples
-            for t, u, a, b in zip(s.stamps, s.units, s.first, s.second, strict=True)
-            if start <= t < end
+            for t, u, a, b, c in zip(s.stamps, s.units, s.first, s.second, s.apis, strict=True)
+            if start <= t < end and code in (None, c)
         ]
 
-    def rate(self, window: str = "main") -> float:
+    def rate(self, window: str = "main", api: str | None = None) -> float:
         start, end = self.windows[window]
-        return sum(u for u, _, _ in self._in(window)) / (end - start)
+        seconds = self.turns[api] if api is not None else end - start
+        return sum(u for u, _, _ in self._in(window, api)) / seconds
 
-    def latencies(self, which: str, window: str = "main") -> list[float]:
+    def latencies(self, which: str, window: str = "main", api: str | None = None) -> list[float]:
         index = 1 if which == "first" else 2
-        return [row[index] for row in self._in(window)]
+        return [row[index] for row in self._in(window, api)]
 
     @property
     def misses(self) -> int:
@@ -294,6 +313,28 @@ def sleep_window(seconds: float, desc: str) -> Window:
     return start, end
 
 
+def _take_turns(mode: Any, seconds: float, warmup: float, desc: str) -> tuple[Window, dict]:
+    """Warm both sides, then hand the workers to each side in turn, one slice at a
+    time, for ``seconds`` split evenly between them."""
+    for code in range(len(APIS)):
+        mode.value = code
+        time.sleep(warmup / len(APIS))
+    slices = max(2, 2 * round(seconds / SLICE_SECONDS / 2))
+    length = seconds / slices
+    turns = dict.fromkeys(APIS, 0.0)
+    shape = "{desc}: {bar} {n}/{total} turns"
+    with tqdm(total=slices, desc=desc, bar_format=shape, leave=False) as bar:
+        start = switched = time.monotonic()
+        for n in range(slices):
+            mode.value = n % len(APIS)
+            time.sleep(max(0.0, start + (n + 1) * length - time.monotonic()))
+            now = time.monotonic()
+            turns[APIS[n % len(APIS)]] += now - switched
+            switched = now
+            bar.update()
+    return (start, switched), turns
+
+
 Driver = Callable[[], dict[str, Window]]
 
 
@@ -305,11 +346,13 @@ def run_phase(
     ctx = mp.get_context("spawn")
     barrier = ctx.Barrier(len(specs) + 1, timeout=BARRIER_TIMEOUT)
     stop = ctx.Event()
+    mode = ctx.Value("b", 0, lock=False)
     results = ctx.Queue()
     procs = [
-        ctx.Process(target=worker_main, args=(spec, barrier, stop, results), daemon=True)
+        ctx.Process(target=worker_main, args=(spec, barrier, stop, mode, results), daemon=True)
         for spec in specs
     ]
+    turns: dict[str, float] = {}
     try:
         for proc in procs:
             proc.start()
@@ -317,7 +360,10 @@ def run_phase(
         # is in the queue.
         with suppress(threading.BrokenBarrierError):
             barrier.wait()
-        if not barrier.broken:
+        if not barrier.broken and specs[0].api == BOTH:
+            window, turns = _take_turns(mode, seconds, warmup, desc)
+            windows = {"main": window}
+        elif not barrier.broken:
             time.sleep(warmup)
             windows = driver() if driver else {"main": sleep_window(seconds, desc)}
         stop.set()
@@ -332,4 +378,4 @@ def run_phase(
     failures = [f"worker {i}:\n{item}" for i, item in collected if isinstance(item, str)]
     if failures:
         raise RuntimeError("\n".join(failures))
-    return Phase(windows, [item for _, item in collected])
+    return Phase(windows, [item for _, item in collected], turns)
