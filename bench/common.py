@@ -7,8 +7,8 @@ API (stable for ``bench/chaos.py`` and friends):
 - ``bench_database(prefix="buzz_bench")``: context manager; creates, migrates and
   finally drops a fresh database on the configured server and yields a ``BenchDb``.
 - ``setup_django(name, server_side_binding=False)``: in a worker process, point Django
-  at database ``name`` (optionally with psycopg server-side binding, which lets
-  psycopg prepare repeated statements).
+  at database ``name`` (optionally with server-side binding and psycopg's prepared
+  statements, as the baselines use).
 - ``BenchDb.connect()`` / ``connect(conninfo)``: an autocommit psycopg connection.
 - ``create_tenant(conn, label)`` → ``Tenant``; ``seed_deliveries(conn, tenant, count,
   state=…)``; ``truncate_deliveries(conn)``; ``vacuum(conn)``.
@@ -67,7 +67,9 @@ def setup_django(name: str, *, server_side_binding: bool = False) -> None:
 
     settings.DATABASES["default"]["NAME"] = name
     if server_side_binding:
-        settings.DATABASES["default"].setdefault("OPTIONS", {})["server_side_binding"] = True
+        # Django leaves psycopg's prepared statements off unless told a threshold.
+        options = settings.DATABASES["default"].setdefault("OPTIONS", {})
+        options.update(server_side_binding=True, prepare_threshold=5)
     django.setup()
 
 

@@ -65,10 +65,11 @@ def _arguments(argv: list[str] | None) -> argparse.Namespace:
         help="alternating baseline/service rounds of throughput and producer",
     )
     parser.add_argument(
-        "--server-side-binding",
+        "--prepared",
+        dest="server_side_binding",
         action="store_true",
-        help="run the service API with Django's psycopg server-side binding (a deployment "
-        "option that lets psycopg prepare repeated statements); off by default",
+        help="run the service API with prepared statements, as the baselines do (DATABASES "
+        "OPTIONS server_side_binding=True, prepare_threshold=5); off by default",
     )
     parser.add_argument("--json", type=Path, default=None, metavar="PATH")
     args = parser.parse_args(argv)
