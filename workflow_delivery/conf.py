@@ -11,6 +11,7 @@ DEFAULTS: dict[str, Any] = {
     "MAX_LEASE_SECONDS": 605200,
     "REAP_BATCH_SIZE": 500,
     "REAP_INTERVAL_SECONDS": 5.0,
+    "PREPARED_STATEMENTS": True,
 }
 
 

@@ -13,8 +13,10 @@ from contextlib import AbstractContextManager, contextmanager
 from datetime import UTC, datetime, timedelta
 from uuid import UUID
 
+import psycopg
 from django.db import DEFAULT_DB_ALIAS, connections, transaction
 from django.db import Error as DatabaseError
+from django.db.models.expressions import RawSQL
 
 from . import sql
 from .conf import app_settings
@@ -99,6 +101,44 @@ def _database_errors() -> Iterator[None]:
         if sqlstate == "25000" and "READ COMMITTED" in message:
             raise IsolationLevelError(message) from exc
         raise
+
+
+_NEVER_BY_COUNT = 2**31 - 1
+
+
+class _PreparedCursor(psycopg.Cursor):
+    """Server-side binding; every statement is prepared once per connection."""
+
+    def execute(self, query, params=None, **kwargs):  # type: ignore[override]
+        return super().execute(query, params, prepare=True)
+
+
+@contextmanager
+def _cursor(using: str) -> Iterator[psycopg.Cursor]:
+    """A cursor for the app's own statements, with database errors made domain errors.
+
+    With ``WORKFLOW_DELIVERY_PREPARED_STATEMENTS`` (the default) the statements go
+    straight to psycopg on Django's connection, bound server-side and prepared, so
+    PostgreSQL parses and plans each one once per connection rather than per call;
+    they then do not appear in ``connection.queries``. Off, Django's cursor is used.
+    """
+    wrapper = connections[using]
+    if not app_settings.PREPARED_STATEMENTS:
+        with _database_errors(), wrapper.cursor() as cursor:
+            yield cursor
+        return
+    # The checks Django's own cursor() makes before handing out a cursor.
+    wrapper.close_if_health_check_failed()
+    wrapper.ensure_connection()
+    wrapper.validate_thread_sharing()
+    wrapper.validate_no_broken_transaction()
+    raw = wrapper.connection
+    if raw.prepare_threshold is None:
+        # Django turns psycopg's preparation off; a threshold no query reaches
+        # turns it back on for statements asked to prepare, and only for those.
+        raw.prepare_threshold = _NEVER_BY_COUNT
+    with _database_errors(), wrapper.wrap_database_errors, _PreparedCursor(raw) as cursor:
+        yield cursor
 
 
 def _lease_seconds(value: object) -> int:
@@ -268,7 +308,7 @@ class StepIdentity:
                 created_at,
                 *_cause_columns(b),
             ]
-        with _database_errors(), connections[self._using].cursor() as cursor:
+        with _cursor(self._using) as cursor:
             cursor.execute(sql.insert_deliveries(len(batch)), params)
             created = [row[0] for row in cursor.fetchall()]
         if created:
@@ -285,7 +325,7 @@ def _locked_step(
     run_id = as_uuid("run_id", run_id)
     with transaction.atomic(using=using):
         exists = False
-        with _database_errors(), connections[using].cursor() as cursor:
+        with _cursor(using) as cursor:
             # Transaction-scoped: released by our commit or rollback, never leaked.
             cursor.execute(sql.LOCK_STEP_IDENTITY, [str(community_id), str(run_id), probe])
             if ask_exists:
@@ -334,7 +374,6 @@ def _claim_filters(
     filters: dict[str, object] = {
         "community_id": community_id,
         "target_pubkey": target_pubkey,
-        "status": DeliveryStatus.PENDING.value,
     }
     if delivery_id is not None:
         filters["id"] = delivery_id
@@ -357,10 +396,15 @@ def _claim_filters(
     return filters
 
 
+# A literal, not a parameter: a prepared (generic) plan can then use the partial
+# claim index, whose predicate is status = 'pending'.
+_PENDING = RawSQL("'pending'", ())
+
+
 def _claim_queryset(filters: dict[str, object], using: str):
     # The oldest pending row nobody else holds: a locked row is someone else's
     # claim in flight, so skip it rather than queue behind it.
-    rows = WorkflowAgentDelivery.objects.using(using).filter(**filters)
+    rows = WorkflowAgentDelivery.objects.using(using).filter(status=_PENDING, **filters)
     return rows.order_by("created_at", "id").select_for_update(skip_locked=True).values("id")[:1]
 
 
@@ -427,7 +471,7 @@ def claim_delivery(
     # One statement: the locking SELECT and the UPDATE share one transaction (the
     # statement's own in autocommit, or the caller's), so the row lock lasts exactly
     # as long as needed.
-    with _database_errors(), connections[using].cursor() as cursor:
+    with _cursor(using) as cursor:
         cursor.execute(statement, [*params, seconds])
         row = cursor.fetchone()
     if row is None:
@@ -450,7 +494,7 @@ def renew_delivery(
     lease is lost and cannot revive itself."""
     params = _lease_params(lease)
     seconds = _lease_seconds(lease_seconds)
-    with _database_errors(), connections[using].cursor() as cursor:
+    with _cursor(using) as cursor:
         cursor.execute(sql.RENEW, [seconds, *params])
         row = cursor.fetchone()
     return Renewed(lease_until=row[0]) if row else LeaseLost()
@@ -466,7 +510,7 @@ def finish_delivery(
         outcome = Outcome(outcome)
     except ValueError:
         raise ProtocolError("outcome", f"must be finished or failed, not {outcome!r}") from None
-    with _database_errors(), connections[using].cursor() as cursor:
+    with _cursor(using) as cursor:
         cursor.execute(sql.FINISH, [outcome.value, *params])
         if cursor.fetchone() is not None:
             return Settled(outcome=outcome)
@@ -498,7 +542,7 @@ def reap_expired_deliveries(
         started = time.monotonic()
         # Each batch is its own short transaction (unless the caller holds one), so a
         # sweep never holds more than ``size`` row locks at once.
-        with _database_errors(), connections[using].cursor() as cursor:
+        with _cursor(using) as cursor:
             cursor.execute(sql.REAP_BATCH, [size])
             count = len(cursor.fetchall())
         total += count
@@ -530,7 +574,7 @@ def _operator_update(
     ids = [as_uuid("delivery_id", value) for value in delivery_ids]
     if not ids:
         return []
-    with transaction.atomic(using=using), _database_errors(), connections[using].cursor() as c:
+    with transaction.atomic(using=using), _cursor(using) as c:
         c.execute(statement, [community_id, ids])
         return [row[0] for row in c.fetchall()]
 
