@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from django.db import connection
+from django.db import connection, transaction
 from django.test import override_settings
 from django.test.utils import CaptureQueriesContext
 
@@ -62,3 +62,19 @@ def test_fence_errors_map_the_same_either_way(db, prepared):
         pytest.raises(CommunityWriteFenced),
     ):
         services.claim_delivery(step.community.id, step.targets[0])
+
+
+@pytest.mark.parametrize("prepared", [True, False])
+def test_a_refused_statement_leaves_the_callers_transaction_usable(db, prepared):
+    healthy, frozen = factories.Step(), factories.Step()
+    fence.transition_community(frozen.community.id, "quiescing")
+    with override_settings(WORKFLOW_DELIVERY_PREPARED_STATEMENTS=prepared), transaction.atomic():
+        with pytest.raises(CommunityWriteFenced):
+            services.commit_deliveries(
+                frozen.community.id, frozen.created_at, frozen.new_deliveries()
+            )
+        created = services.commit_deliveries(
+            healthy.community.id, healthy.created_at, healthy.new_deliveries()
+        )
+    assert len(created) == 1
+    assert services.get_delivery(healthy.community.id, created[0]) is not None

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from contextlib import AbstractContextManager, contextmanager
+from contextlib import contextmanager, nullcontext
 from datetime import UTC, datetime, timedelta
 from uuid import UUID
 
@@ -114,7 +114,7 @@ class _PreparedCursor(psycopg.Cursor):
 
 
 @contextmanager
-def _cursor(using: str) -> Iterator[psycopg.Cursor]:
+def _cursor(using: str, *, savepoint: bool = True) -> Iterator[psycopg.Cursor]:
     """A cursor for the app's own statements, with database errors made domain errors.
 
     With ``WORKFLOW_DELIVERY_PREPARED_STATEMENTS`` (the default) the statements go
@@ -123,22 +123,26 @@ def _cursor(using: str) -> Iterator[psycopg.Cursor]:
     they then do not appear in ``connection.queries``. Off, Django's cursor is used.
     """
     wrapper = connections[using]
-    if not app_settings.PREPARED_STATEMENTS:
-        with _database_errors(), wrapper.cursor() as cursor:
+    # Each statement is atomic on its own in autocommit; inside a caller's transaction
+    # a savepoint keeps a refused statement from aborting the caller's work.
+    scope = transaction.atomic(using=using) if savepoint and wrapper.in_atomic_block else None
+    with scope or nullcontext():
+        if not app_settings.PREPARED_STATEMENTS:
+            with _database_errors(), wrapper.cursor() as cursor:
+                yield cursor
+            return
+        # The checks Django's own cursor() makes before handing out a cursor.
+        wrapper.close_if_health_check_failed()
+        wrapper.ensure_connection()
+        wrapper.validate_thread_sharing()
+        wrapper.validate_no_broken_transaction()
+        raw = wrapper.connection
+        if raw.prepare_threshold is None:
+            # Django turns psycopg's preparation off; a threshold no query reaches
+            # turns it back on for statements asked to prepare, and only for those.
+            raw.prepare_threshold = _NEVER_BY_COUNT
+        with _database_errors(), wrapper.wrap_database_errors, _PreparedCursor(raw) as cursor:
             yield cursor
-        return
-    # The checks Django's own cursor() makes before handing out a cursor.
-    wrapper.close_if_health_check_failed()
-    wrapper.ensure_connection()
-    wrapper.validate_thread_sharing()
-    wrapper.validate_no_broken_transaction()
-    raw = wrapper.connection
-    if raw.prepare_threshold is None:
-        # Django turns psycopg's preparation off; a threshold no query reaches
-        # turns it back on for statements asked to prepare, and only for those.
-        raw.prepare_threshold = _NEVER_BY_COUNT
-    with _database_errors(), wrapper.wrap_database_errors, _PreparedCursor(raw) as cursor:
-        yield cursor
 
 
 def _lease_seconds(value: object) -> int:
@@ -286,11 +290,9 @@ class StepIdentity:
             targets.add(binding.target_pubkey)
         return batch
 
-    def commit(
+    def _values(
         self, message_event_created_at: datetime, deliveries: Iterable[NewDelivery]
-    ) -> list[UUID]:
-        """Insert the step's deliveries at once; return the ids actually created.
-        An existing (community, run, step, target) is skipped, so a retry creates nothing."""
+    ) -> tuple[int, list[object]]:
         created_at = as_datetime("message_event_created_at", message_event_created_at)
         batch = self._validate(deliveries)
         params: list[object] = []
@@ -308,8 +310,16 @@ class StepIdentity:
                 created_at,
                 *_cause_columns(b),
             ]
-        with _cursor(self._using) as cursor:
-            cursor.execute(sql.insert_deliveries(len(batch)), params)
+        return len(batch), params
+
+    def commit(
+        self, message_event_created_at: datetime, deliveries: Iterable[NewDelivery]
+    ) -> list[UUID]:
+        """Insert the step's deliveries at once; return the ids actually created.
+        An existing (community, run, step, target) is skipped, so a retry creates nothing."""
+        count, params = self._values(message_event_created_at, deliveries)
+        with _cursor(self._using, savepoint=False) as cursor:
+            cursor.execute(sql.insert_deliveries(count), params)
             created = [row[0] for row in cursor.fetchall()]
         if created:
             self.exists = True
@@ -317,34 +327,26 @@ class StepIdentity:
 
 
 @contextmanager
-def _locked_step(
-    community_id: UUID | str, run_id: UUID | str, step_id: str, using: str, *, ask_exists: bool
-) -> Iterator[StepIdentity]:
-    probe = as_step_id(step_id)
-    community_id = as_uuid("community_id", community_id)
-    run_id = as_uuid("run_id", run_id)
-    with transaction.atomic(using=using):
-        exists = False
-        with _cursor(using) as cursor:
-            # Transaction-scoped: released by our commit or rollback, never leaked.
-            cursor.execute(sql.LOCK_STEP_IDENTITY, [str(community_id), str(run_id), probe])
-            if ask_exists:
-                cursor.execute(sql.STEP_EXISTS, [community_id, run_id, probe])
-                exists = bool(cursor.fetchone()[0])
-        yield StepIdentity(community_id, run_id, probe, exists, using)
-
-
 def delivery_identity(
     community_id: UUID | str,
     run_id: UUID | str,
     step_id: str,
     *,
     using: str = DEFAULT_DB_ALIAS,
-) -> AbstractContextManager[StepIdentity]:
+) -> Iterator[StepIdentity]:
     """Open a transaction holding the step's identity lock. ``.exists`` tells whether
     the step already has deliveries (reuse the signed message); ``.commit`` inserts
     them. The producer's own writes in the block commit or roll back with them."""
-    return _locked_step(community_id, run_id, step_id, using, ask_exists=True)
+    step_id = as_step_id(step_id)
+    community_id = as_uuid("community_id", community_id)
+    run_id = as_uuid("run_id", run_id)
+    with transaction.atomic(using=using):
+        with _cursor(using, savepoint=False) as cursor:
+            # Transaction-scoped: released by our commit or rollback, never leaked.
+            cursor.execute(sql.LOCK_STEP_IDENTITY, [str(community_id), str(run_id), step_id])
+            cursor.execute(sql.STEP_EXISTS, [community_id, run_id, step_id])
+            exists = bool(cursor.fetchone()[0])
+        yield StepIdentity(community_id, run_id, step_id, exists, using)
 
 
 def commit_deliveries(
@@ -357,12 +359,16 @@ def commit_deliveries(
     """Commit the deliveries of one (run, step) in one call; returns the ids created."""
     batch = _new_deliveries(deliveries)
     first = batch[0].binding
-    # Nobody here asks whether the step exists (ON CONFLICT already makes a retry
-    # create nothing), so the lock is taken without that extra statement.
-    with _locked_step(
-        community_id, first.run_id, first.step_id, using, ask_exists=False
-    ) as identity:
-        return identity.commit(message_event_created_at, batch)
+    identity = StepIdentity(
+        as_uuid("community_id", community_id), first.run_id, first.step_id, False, using
+    )
+    count, params = identity._values(message_event_created_at, batch)
+    lock = [str(identity.community_id), str(identity.run_id), identity.step_id]
+    # One statement takes the step's identity lock and inserts every row: in
+    # autocommit it is its own transaction (all rows or none), else the caller's.
+    with _cursor(using) as cursor:
+        cursor.execute(sql.lock_and_insert_deliveries(count), [*lock, *params])
+        return [row[0] for row in cursor.fetchall()]
 
 
 def _claim_filters(

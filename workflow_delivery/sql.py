@@ -64,15 +64,32 @@ SELECT EXISTS (
 """
 
 
+_ON_CONFLICT = "ON CONFLICT ON CONSTRAINT wd_delivery_identity_key DO NOTHING RETURNING id"
+_INSERT_TYPES = ["uuid", "uuid", "uuid", "uuid", "text", "bytea", "bytea", "bytea"]
+_INSERT_TYPES += ["timestamptz", "text", "bytea", "timestamptz", "uuid"]
+
+
 @lru_cache(maxsize=64)
 def insert_deliveries(count: int) -> str:
     """One multi-row insert of ``count`` deliveries; an existing identity is skipped."""
     row = "(" + ", ".join(["%s"] * INSERT_ROW_WIDTH) + ")"
     columns = ", ".join(_q(column) for column in _INSERT_COLUMNS)
-    return (
-        f"INSERT INTO {DELIVERIES} ({columns}) VALUES {', '.join([row] * count)} "
-        f"ON CONFLICT ON CONSTRAINT wd_delivery_identity_key DO NOTHING RETURNING id"
-    )
+    return f"INSERT INTO {DELIVERIES} ({columns}) VALUES {', '.join([row] * count)} {_ON_CONFLICT}"
+
+
+@lru_cache(maxsize=64)
+def lock_and_insert_deliveries(count: int) -> str:
+    """The step's identity lock and the insert of its ``count`` deliveries in one
+    statement, for a producer that does not ask whether the step exists. The lock's
+    CTE is scanned before any row is produced, so no row is written without it."""
+    row = "(" + ", ".join(f"%s::{kind}" for kind in _INSERT_TYPES) + ")"
+    columns = ", ".join(_q(column) for column in _INSERT_COLUMNS)
+    return f"""
+WITH step_lock AS MATERIALIZED ({LOCK_STEP_IDENTITY.strip()}::text AS locked)
+INSERT INTO {DELIVERIES} ({columns})
+SELECT v.* FROM (VALUES {", ".join([row] * count)}) AS v ({columns}) CROSS JOIN step_lock
+{_ON_CONFLICT}
+"""
 
 
 def claim_statement(select_sql: str) -> str:
