@@ -592,6 +592,38 @@ def test_reap_refuses_a_bad_batch_size(size):
     assert caught.value.field == "batch_size"
 
 
+def test_reap_rests_after_each_full_batch_in_proportion_to_it(raw, monkeypatch):
+    step = factories.Step(targets=5)
+    factories.committed(step)
+    expire(raw, *(held(step, target).delivery_id for target in step.targets))
+    timings: list[float] = []
+    rests: list[float] = []
+    monkeypatch.setattr(services.time, "sleep", rests.append)
+    reclaimed = services.reap_expired_deliveries(
+        batch_size=2, yield_ratio=1.5, on_batch=lambda _, seconds: timings.append(seconds)
+    )
+    assert reclaimed == 5
+    # Two full batches rest; the last, partial one ends the sweep at once.
+    assert rests == pytest.approx([1.5 * timings[0], 1.5 * timings[1]])
+
+
+def test_reap_with_yield_ratio_zero_never_rests(raw, monkeypatch):
+    step = factories.Step(targets=4)
+    factories.committed(step)
+    expire(raw, *(held(step, target).delivery_id for target in step.targets))
+    rests: list[float] = []
+    monkeypatch.setattr(services.time, "sleep", rests.append)
+    assert services.reap_expired_deliveries(batch_size=2, yield_ratio=0) == 4
+    assert rests == []
+
+
+@pytest.mark.parametrize("ratio", [-1, "1", True, 101], ids=repr)
+def test_reap_refuses_a_bad_yield_ratio(ratio):
+    with pytest.raises(ProtocolError) as caught:
+        services.reap_expired_deliveries(yield_ratio=ratio)
+    assert caught.value.field == "yield_ratio"
+
+
 # --- cascades and reads ------------------------------------------------------------------
 
 PARENTS: dict[str, Callable[[factories.Step], object]] = {

@@ -17,6 +17,7 @@ E003_MSG = (
     "WORKFLOW_DELIVERY_MAX_LEASE_SECONDS ({maximum})."
 )
 E004_MSG = "WORKFLOW_DELIVERY_REAP_INTERVAL_SECONDS must be a positive number, got {value!r}."
+E005_MSG = "WORKFLOW_DELIVERY_REAP_YIELD_RATIO must be a number from 0 to 100, got {value!r}."
 
 
 def _positive_int(value: Any) -> bool:
@@ -59,4 +60,7 @@ def check_settings(app_configs: Any = None, **kwargs: Any) -> list:
     interval = app_settings.REAP_INTERVAL_SECONDS
     if isinstance(interval, bool) or not isinstance(interval, int | float) or interval <= 0:
         errors.append(checks.Error(E004_MSG.format(value=interval), id="workflow_delivery.E004"))
+    ratio = app_settings.REAP_YIELD_RATIO
+    if isinstance(ratio, bool) or not isinstance(ratio, int | float) or not 0 <= ratio <= 100:
+        errors.append(checks.Error(E005_MSG.format(value=ratio), id="workflow_delivery.E005"))
     return errors

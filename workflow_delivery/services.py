@@ -532,17 +532,25 @@ def finish_delivery(
 def reap_expired_deliveries(
     *,
     batch_size: int | None = None,
+    yield_ratio: float | None = None,
     on_batch: Callable[[int, float], None] | None = None,
     should_stop: Callable[[], bool] | None = None,
     using: str = DEFAULT_DB_ALIAS,
 ) -> int:
     """Return every expired lease of every active community to pending, bumping its
     fence, in bounded batches until none is left; returns how many were reclaimed.
+
+    After a full batch the sweep rests ``yield_ratio`` times as long as that batch
+    took (default ``WORKFLOW_DELIVERY_REAP_YIELD_RATIO``), so a large backlog leaves
+    the database to live holders part of the time; 0 sweeps flat out.
     ``on_batch(count, seconds)`` observes each batch; ``should_stop()`` ends the sweep
     between batches."""
     size = app_settings.REAP_BATCH_SIZE if batch_size is None else batch_size
     if isinstance(size, bool) or not isinstance(size, int) or size < 1:
         raise ProtocolError("batch_size", f"must be a positive whole number, not {size!r}")
+    ratio = app_settings.REAP_YIELD_RATIO if yield_ratio is None else yield_ratio
+    if isinstance(ratio, bool) or not isinstance(ratio, int | float) or not 0 <= ratio <= 100:
+        raise ProtocolError("yield_ratio", f"must be a number from 0 to 100, not {ratio!r}")
     total = 0
     while True:
         started = time.monotonic()
@@ -551,11 +559,14 @@ def reap_expired_deliveries(
         with _cursor(using) as cursor:
             cursor.execute(sql.REAP_BATCH, [size])
             count = len(cursor.fetchall())
+        elapsed = time.monotonic() - started
         total += count
         if on_batch is not None:
-            on_batch(count, time.monotonic() - started)
+            on_batch(count, elapsed)
         if count < size or (should_stop is not None and should_stop()):
             return total
+        if ratio:
+            time.sleep(elapsed * ratio)
 
 
 def get_delivery(
