@@ -110,7 +110,7 @@ class _PreparedCursor(psycopg.Cursor):
     """Server-side binding; every statement is prepared once per connection."""
 
     def execute(self, query, params=None, **kwargs):  # type: ignore[override]
-        return super().execute(query, params, prepare=True)
+        return super().execute(query, params, prepare=True, binary=True)
 
 
 @contextmanager
