@@ -11,9 +11,9 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager, nullcontext
 from datetime import UTC, datetime, timedelta
+from typing import Any
 from uuid import UUID
 
-import psycopg
 from django.db import DEFAULT_DB_ALIAS, connections, transaction
 from django.db import Error as DatabaseError
 from django.db.models.expressions import RawSQL
@@ -103,40 +103,48 @@ def _database_errors() -> Iterator[None]:
         raise
 
 
+try:
+    import psycopg
+except ImportError:  # Django on psycopg2: the app's statements use Django's cursor.
+    psycopg = None
+
 _NEVER_BY_COUNT = 2**31 - 1
 
+if psycopg is not None:
 
-class _PreparedCursor(psycopg.Cursor):
-    """Server-side binding; every statement is prepared once per connection."""
+    class _PreparedCursor(psycopg.Cursor):
+        """Server-side binding, binary results; each statement prepared once per connection."""
 
-    def execute(self, query, params=None, **kwargs):  # type: ignore[override]
-        return super().execute(query, params, prepare=True, binary=True)
+        def execute(self, query, params=None, **kwargs):  # type: ignore[override]
+            return super().execute(query, params, prepare=True, binary=True)
 
 
 @contextmanager
-def _cursor(using: str, *, savepoint: bool = True) -> Iterator[psycopg.Cursor]:
+def _cursor(using: str, *, savepoint: bool = True) -> Iterator[Any]:
     """A cursor for the app's own statements, with database errors made domain errors.
 
-    With ``WORKFLOW_DELIVERY_PREPARED_STATEMENTS`` (the default) the statements go
-    straight to psycopg on Django's connection, bound server-side and prepared, so
-    PostgreSQL parses and plans each one once per connection rather than per call;
-    they then do not appear in ``connection.queries``. Off, Django's cursor is used.
+    With ``WORKFLOW_DELIVERY_PREPARED_STATEMENTS`` (the default) and psycopg 3, the
+    statements go straight to psycopg on Django's connection, bound server-side and
+    prepared, so PostgreSQL parses and plans each one once per connection rather than
+    per call; they then do not appear in ``connection.queries``. Otherwise Django's
+    cursor is used.
     """
     wrapper = connections[using]
     # Each statement is atomic on its own in autocommit; inside a caller's transaction
     # a savepoint keeps a refused statement from aborting the caller's work.
     scope = transaction.atomic(using=using) if savepoint and wrapper.in_atomic_block else None
     with scope or nullcontext():
-        if not app_settings.PREPARED_STATEMENTS:
-            with _database_errors(), wrapper.cursor() as cursor:
-                yield cursor
-            return
         # The checks Django's own cursor() makes before handing out a cursor.
         wrapper.close_if_health_check_failed()
         wrapper.ensure_connection()
+        raw = wrapper.connection
+        prepared = app_settings.PREPARED_STATEMENTS and psycopg is not None
+        if not prepared or not isinstance(raw, psycopg.Connection):
+            with _database_errors(), wrapper.cursor() as cursor:
+                yield cursor
+            return
         wrapper.validate_thread_sharing()
         wrapper.validate_no_broken_transaction()
-        raw = wrapper.connection
         if raw.prepare_threshold is None:
             # Django turns psycopg's preparation off; a threshold no query reaches
             # turns it back on for statements asked to prepare, and only for those.
