@@ -68,8 +68,9 @@ def _arguments(argv: list[str] | None) -> argparse.Namespace:
         "--prepared",
         dest="server_side_binding",
         action="store_true",
-        help="run the service API with prepared statements, as the baselines do (DATABASES "
-        "OPTIONS server_side_binding=True, prepare_threshold=5); off by default",
+        help="also switch Django's own cursors to server-side binding and prepared "
+        "statements (DATABASES OPTIONS server_side_binding=True, prepare_threshold=5); "
+        "the app prepares its own statements either way",
     )
     parser.add_argument("--json", type=Path, default=None, metavar="PATH")
     args = parser.parse_args(argv)
