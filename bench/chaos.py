@@ -27,12 +27,14 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+STOP = threading.Event()
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
@@ -107,7 +109,15 @@ class Fleet:
             command = [sys.executable, str(ROOT / "manage.py"), "reap_deliveries", "--loop"]
             command += ["--interval", str(config["reap_interval"]), "-v", "1"]
             env = worker_environment(f"{config['database_url']}?application_name=chaos-reaper-0")
-        process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+        # Its own session: a terminal's Ctrl-C reaches the harness, which stops the fleet.
+        process = subprocess.Popen(
+            command,
+            cwd=ROOT,
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
         log.close()
         self.processes[role, index] = process
         return process
@@ -311,6 +321,9 @@ class Harness:
         pending = self.schedule()
         drops = 0
         while pending or time.monotonic() - started < config.seconds:
+            if STOP.is_set():
+                self.fleet.stop(["producer", "agent", "reaper"], timeout=10)
+                return
             self.fleet.supervise(respawn=True)
             elapsed = time.monotonic() - started
             if self.release_stalls() and elapsed < config.seconds:
@@ -338,15 +351,17 @@ class Harness:
         config = self.config
         # Producers finish their budget on their own; only a straggler is stopped.
         deadline = time.monotonic() + config.seconds / 2 + 30
-        while time.monotonic() < deadline and any(
-            p.poll() is None for _, p in self.fleet.of_role("producer")
+        while (
+            time.monotonic() < deadline
+            and not STOP.is_set()
+            and any(p.poll() is None for _, p in self.fleet.of_role("producer"))
         ):
             self.fleet.supervise(respawn=True)
             self.release_stalls()
             time.sleep(0.2)
         self.fleet.stop(["producer"], timeout=60)
         deadline = time.monotonic() + config.drain_seconds
-        while time.monotonic() < deadline:
+        while time.monotonic() < deadline and not STOP.is_set():
             self.fleet.supervise(respawn=True)
             self.release_stalls()
             if not any(s.pid for s in self.stalls) and self._all_settled():
@@ -471,9 +486,30 @@ def parse_args(argv: list[str] | None = None) -> ChaosConfig:
     return config
 
 
+def _on_signal(signum: int, frame: object) -> None:
+    if STOP.is_set():
+        raise KeyboardInterrupt
+    STOP.set()
+    print(
+        f"chaos: {signal.Signals(signum).name}: stopping the fleet, then checking what "
+        "was written (again to quit at once)",
+        file=sys.stderr,
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
-    report = run(parse_args(argv))
+    config = parse_args(argv)
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, _on_signal)
+    try:
+        report = run(config)
+    except KeyboardInterrupt:
+        print("chaos: interrupted; the fleet and the server were stopped", file=sys.stderr)
+        return 130
     print(report.render())
+    if STOP.is_set():
+        print("chaos: the run was interrupted before its fault window ended", file=sys.stderr)
+        return 130 if report.ok else 1
     return 0 if report.ok else 1
 
 
