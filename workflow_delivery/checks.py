@@ -7,7 +7,7 @@ from typing import Any
 from django.core import checks
 from django.db import connections
 
-from .conf import app_settings
+from .conf import app_settings, is_number, is_whole_number, is_yield_ratio
 
 E001_MSG = "workflow_delivery needs PostgreSQL: database {alias!r} uses the {vendor!r} backend."
 E001_HINT = "Point this database at PostgreSQL 13 or newer (django.db.backends.postgresql)."
@@ -21,7 +21,7 @@ E005_MSG = "WORKFLOW_DELIVERY_REAP_YIELD_RATIO must be a number from 0 to 100, g
 
 
 def _positive_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value > 0
+    return is_whole_number(value) and value > 0
 
 
 @checks.register(checks.Tags.compatibility)
@@ -58,9 +58,9 @@ def check_settings(app_configs: Any = None, **kwargs: Any) -> list:
             )
         )
     interval = app_settings.REAP_INTERVAL_SECONDS
-    if isinstance(interval, bool) or not isinstance(interval, int | float) or interval <= 0:
+    if not (is_number(interval) and interval > 0):
         errors.append(checks.Error(E004_MSG.format(value=interval), id="workflow_delivery.E004"))
     ratio = app_settings.REAP_YIELD_RATIO
-    if isinstance(ratio, bool) or not isinstance(ratio, int | float) or not 0 <= ratio <= 100:
+    if not is_yield_ratio(ratio):
         errors.append(checks.Error(E005_MSG.format(value=ratio), id="workflow_delivery.E005"))
     return errors

@@ -26,3 +26,18 @@ class AppSettings:
 
 
 app_settings = AppSettings()
+
+
+def is_whole_number(value: object) -> bool:
+    """An ``int`` that is not a ``bool``."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def is_number(value: object) -> bool:
+    """An ``int`` or ``float`` that is not a ``bool``."""
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def is_yield_ratio(value: object) -> bool:
+    """How long the reaper rests after a full batch, in multiples of that batch."""
+    return is_number(value) and 0 <= value <= 100

@@ -22,11 +22,8 @@ from .exceptions import (
     ProtocolError,
     StaleFenceGeneration,
 )
-from .models import Community, DeletionState
+from .models import DeletionState
 from .protocol import as_uuid
-
-_ORDER = [DeletionState.ACTIVE, DeletionState.QUIESCING, DeletionState.FENCED]
-_ORDER.append(DeletionState.TOMBSTONE)
 
 
 def _state(value: str) -> DeletionState:
@@ -38,13 +35,14 @@ def _state(value: str) -> DeletionState:
         ) from None
 
 
-def _lock_exclusive(cursor, community_id: UUID) -> tuple[str, int]:
+def _lock_exclusive(cursor, community_id: UUID) -> tuple[DeletionState, int]:
+    cursor.execute(sql.REQUIRE_READ_COMMITTED)
     cursor.execute(sql.LOCK_COMMUNITY_EXCLUSIVE, [str(community_id)])
     cursor.execute(sql.COMMUNITY_FENCE_STATE, [str(community_id)])
     row = cursor.fetchone()
     if row is None:
         raise CommunityNotFound(f"community {community_id} does not exist")
-    return row[0], row[1]
+    return DeletionState(row[0]), row[1]
 
 
 def transition_community(
@@ -52,22 +50,18 @@ def transition_community(
 ) -> int:
     """Move a community through ``active → quiescing → fenced → tombstone`` as the
     deletion executor and return the new fence generation. A quiescing community may
-    return to active (deletion cancelled); a tombstone is permanent."""
+    return to active (deletion cancelled); a tombstone is permanent. The database's
+    lifecycle trigger is the judge; a move it refuses raises InvalidLifecycleTransition."""
     community_id = as_uuid("community_id", community_id)
     target = _state(to_state)
-    with transaction.atomic(using=using), connections[using].cursor() as cursor:
-        sql.require_read_committed(cursor)
+    with (
+        transaction.atomic(using=using),
+        sql.database_errors(),
+        connections[using].cursor() as cursor,
+    ):
         current, generation = _lock_exclusive(cursor, community_id)
-        current = DeletionState(current)
         if current == target:
             return generation
-        backwards = _ORDER.index(target) < _ORDER.index(current)
-        cancel = current == DeletionState.QUIESCING and target == DeletionState.ACTIVE
-        if backwards and not cancel:
-            raise InvalidLifecycleTransition(
-                f"community {community_id}: {current} -> {target} is not allowed "
-                f"(a tombstone is permanent; only a quiescing community can return to active)"
-            )
         cursor.execute(sql.SET_COMMUNITY_STATE, [target.value, str(community_id)])
         return cursor.fetchone()[0]
 
@@ -79,21 +73,23 @@ def begin_deletion(community_id: UUID | str, *, using: str = DEFAULT_DB_ALIAS) -
 @contextmanager
 def executor_writes(
     community_id: UUID | str, generation: int, *, using: str = DEFAULT_DB_ALIAS
-) -> Iterator[None]:
+) -> Iterator[DeletionState]:
     """Inside this block (one transaction), the executor may write or purge the rows
-    of a community that is not active, presenting ``generation``. A generation that is
-    no longer current raises ``StaleFenceGeneration`` and nothing is written."""
+    of a community that is not active, presenting ``generation``; the block gets the
+    community's state. A generation that is no longer current raises
+    ``StaleFenceGeneration`` and nothing is written."""
     community_id = as_uuid("community_id", community_id)
     with transaction.atomic(using=using), connections[using].cursor() as cursor:
-        sql.require_read_committed(cursor)
-        _, current = _lock_exclusive(cursor, community_id)
+        # Only the lock is translated: the block's own errors reach it unchanged.
+        with sql.database_errors():
+            state, current = _lock_exclusive(cursor, community_id)
         if current != generation:
             raise StaleFenceGeneration(
                 f"community {community_id}: fence generation {generation} is stale "
                 f"(current is {current})"
             )
         cursor.execute(sql.PRESENT_EXECUTOR, [str(community_id), str(generation)])
-        yield
+        yield state
         # The presentation is transaction-local: an error rolls it back with the
         # block; on success clear it so an enclosing transaction keeps no authority.
         cursor.execute(sql.WITHDRAW_EXECUTOR)
@@ -106,9 +102,8 @@ def purge_community(
     Returns the number of rows deleted per table."""
     community_id = as_uuid("community_id", community_id)
     deleted: dict[str, int] = {}
-    with executor_writes(community_id, generation, using=using):
-        community = Community.objects.using(using).get(pk=community_id)
-        if community.deletion_state == DeletionState.ACTIVE:
+    with executor_writes(community_id, generation, using=using) as state:
+        if state == DeletionState.ACTIVE:
             raise InvalidLifecycleTransition(
                 f"community {community_id} is active: begin its deletion before purging"
             )

@@ -27,6 +27,7 @@ from django.db import (
 from django.db.models import Count
 
 from . import services
+from .conf import is_number, is_whole_number
 from .models import WorkflowAgentDelivery
 
 logger = logging.getLogger("workflow_delivery.reaper")
@@ -98,8 +99,7 @@ def log_level(verbosity: int) -> Iterator[None]:
 def positive(option: str, value: object, *, whole: bool) -> None:
     """Refuse a command option that is not positive. Checked in the command rather
     than by argparse, so ``call_command(..., interval=0)`` is refused too."""
-    kinds = int if whole else int | float
-    if isinstance(value, bool) or not isinstance(value, kinds) or not value > 0:
+    if not ((is_whole_number if whole else is_number)(value) and value > 0):
         noun = "whole number" if whole else "number of seconds"
         raise CommandError(f"{option} must be a positive {noun}, not {value!r}")
 

@@ -15,21 +15,11 @@ from typing import Any
 from uuid import UUID
 
 from django.db import DEFAULT_DB_ALIAS, connections, transaction
-from django.db import Error as DatabaseError
 from django.db.models.expressions import RawSQL
 
 from . import sql
-from .conf import app_settings
-from .exceptions import (
-    BindingScopeError,
-    CommunityWriteFenced,
-    ConstraintViolation,
-    DeliveryConflict,
-    InvalidLeaseSeconds,
-    IsolationLevelError,
-    ProtocolError,
-    ReferenceMissing,
-)
+from .conf import app_settings, is_whole_number, is_yield_ratio
+from .exceptions import BindingScopeError, InvalidLeaseSeconds, ProtocolError
 from .models import WorkflowAgentDelivery
 from .protocol import (
     AlreadyTerminal,
@@ -64,44 +54,6 @@ __all__ = [
     "release_deliveries",
     "renew_delivery",
 ]
-
-_REFERENCE_CONSTRAINTS = {
-    "wd_delivery_community_fk": "community",
-    "wd_delivery_workflow_fk": "workflow",
-    "wd_delivery_run_fk": "run (of that workflow)",
-    "wd_delivery_message_event_fk": "message event (at that created_at)",
-}
-_PRIMARY_KEY = f"{WorkflowAgentDelivery._meta.db_table}_pkey"
-
-
-@contextmanager
-def _database_errors() -> Iterator[None]:
-    """Turn a database error into a named fact by the constraint it names."""
-    try:
-        yield
-    except DatabaseError as exc:
-        diag = getattr(exc.__cause__, "diag", None)
-        constraint = getattr(diag, "constraint_name", None)
-        sqlstate = getattr(exc.__cause__, "sqlstate", None)
-        message = getattr(diag, "message_primary", None) or str(exc)
-        if constraint == "wd_community_write_fence":
-            raise CommunityWriteFenced(message) from exc
-        if constraint == _PRIMARY_KEY:
-            raise DeliveryConflict(
-                f"a delivery with this id already exists for another step or target: {message}"
-            ) from exc
-        if constraint in _REFERENCE_CONSTRAINTS:
-            raise ReferenceMissing(
-                constraint,
-                f"the {_REFERENCE_CONSTRAINTS[constraint]} named by the delivery does not exist "
-                f"in its community ({constraint})",
-            ) from exc
-        if constraint and constraint.startswith("wd_"):
-            raise ConstraintViolation(constraint, f"{constraint}: {message}") from exc
-        if sqlstate == "25000" and "READ COMMITTED" in message:
-            raise IsolationLevelError(message) from exc
-        raise
-
 
 try:
     import psycopg
@@ -140,7 +92,7 @@ def _cursor(using: str, *, savepoint: bool = True) -> Iterator[Any]:
         raw = wrapper.connection
         prepared = app_settings.PREPARED_STATEMENTS and psycopg is not None
         if not prepared or not isinstance(raw, psycopg.Connection):
-            with _database_errors(), wrapper.cursor() as cursor:
+            with sql.database_errors(), wrapper.cursor() as cursor:
                 yield cursor
             return
         wrapper.validate_thread_sharing()
@@ -149,15 +101,15 @@ def _cursor(using: str, *, savepoint: bool = True) -> Iterator[Any]:
             # Django turns psycopg's preparation off; a threshold no query reaches
             # turns it back on for statements asked to prepare, and only for those.
             raw.prepare_threshold = _NEVER_BY_COUNT
-        with _database_errors(), wrapper.wrap_database_errors, _PreparedCursor(raw) as cursor:
-            yield cursor
+        with sql.database_errors(), wrapper.wrap_database_errors, _PreparedCursor(raw) as c:
+            yield c
 
 
 def _lease_seconds(value: object) -> int:
     maximum = app_settings.MAX_LEASE_SECONDS
     if value is None:
         value = app_settings.DEFAULT_LEASE_SECONDS
-    if isinstance(value, bool) or not isinstance(value, int):
+    if not is_whole_number(value):
         raise InvalidLeaseSeconds("lease_seconds", f"must be a whole number, not {value!r}")
     if not 0 < value <= maximum:
         raise InvalidLeaseSeconds("lease_seconds", f"must be between 1 and {maximum}, not {value}")
@@ -263,8 +215,7 @@ class StepIdentity:
             f"step_id={self.step_id!r}, exists={self.exists})"
         )
 
-    def _validate(self, deliveries: Iterable[NewDelivery]) -> list[NewDelivery]:
-        batch = _new_deliveries(deliveries)
+    def _validate(self, batch: list[NewDelivery]) -> None:
         ids, targets = set(), set()
         message = None
         for item in batch:
@@ -296,13 +247,13 @@ class StepIdentity:
                 )
             ids.add(item.id)
             targets.add(binding.target_pubkey)
-        return batch
 
     def _values(
-        self, message_event_created_at: datetime, deliveries: Iterable[NewDelivery]
+        self, message_event_created_at: datetime, batch: list[NewDelivery]
     ) -> tuple[int, list[object]]:
+        """The insert's parameters for a batch checked by ``_new_deliveries``."""
         created_at = as_datetime("message_event_created_at", message_event_created_at)
-        batch = self._validate(deliveries)
+        self._validate(batch)
         params: list[object] = []
         for item in batch:
             b = item.binding
@@ -325,7 +276,7 @@ class StepIdentity:
     ) -> list[UUID]:
         """Insert the step's deliveries at once; return the ids actually created.
         An existing (community, run, step, target) is skipped, so a retry creates nothing."""
-        count, params = self._values(message_event_created_at, deliveries)
+        count, params = self._values(message_event_created_at, _new_deliveries(deliveries))
         with _cursor(self._using, savepoint=False) as cursor:
             cursor.execute(sql.insert_deliveries(count), params)
             created = [row[0] for row in cursor.fetchall()]
@@ -554,10 +505,10 @@ def reap_expired_deliveries(
     ``on_batch(count, seconds)`` observes each batch; ``should_stop()`` ends the sweep
     between batches."""
     size = app_settings.REAP_BATCH_SIZE if batch_size is None else batch_size
-    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+    if not (is_whole_number(size) and size >= 1):
         raise ProtocolError("batch_size", f"must be a positive whole number, not {size!r}")
     ratio = app_settings.REAP_YIELD_RATIO if yield_ratio is None else yield_ratio
-    if isinstance(ratio, bool) or not isinstance(ratio, int | float) or not 0 <= ratio <= 100:
+    if not is_yield_ratio(ratio):
         raise ProtocolError("yield_ratio", f"must be a number from 0 to 100, not {ratio!r}")
     total = 0
     while True:
@@ -599,9 +550,9 @@ def _operator_update(
     ids = [as_uuid("delivery_id", value) for value in delivery_ids]
     if not ids:
         return []
-    with transaction.atomic(using=using), _cursor(using) as c:
-        c.execute(statement, [community_id, ids])
-        return [row[0] for row in c.fetchall()]
+    with _cursor(using) as cursor:
+        cursor.execute(statement, [community_id, ids])
+        return [row[0] for row in cursor.fetchall()]
 
 
 def release_deliveries(

@@ -8,12 +8,21 @@ parameters.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from functools import lru_cache
 
+from django.db import Error as DatabaseError
 from django.db import connection
-from django.db.backends.utils import CursorWrapper
 
-from .exceptions import IsolationLevelError
+from .exceptions import (
+    CommunityWriteFenced,
+    ConstraintViolation,
+    DeliveryConflict,
+    InvalidLifecycleTransition,
+    IsolationLevelError,
+    ReferenceMissing,
+)
 from .models import Community, Event, Workflow, WorkflowAgentDelivery, WorkflowRun
 
 _q = connection.ops.quote_name
@@ -44,8 +53,13 @@ RECORD_COLUMNS = [
     "created_at",
 ]
 _RETURNING = ", ".join(f"d.{_q(column)}" for column in RECORD_COLUMNS)
-_INSERT_COLUMNS = RECORD_COLUMNS[:13]
-INSERT_ROW_WIDTH = len(_INSERT_COLUMNS)
+# The columns a producer writes, the first of the record's, with their types.
+_WRITTEN_TYPES = ["uuid", "uuid", "uuid", "uuid", "text", "bytea", "bytea", "bytea"]
+_WRITTEN_TYPES += ["timestamptz", "text", "bytea", "timestamptz", "uuid"]
+_INSERT_TYPES = dict(zip(RECORD_COLUMNS[: len(_WRITTEN_TYPES)], _WRITTEN_TYPES, strict=True))
+_INSERT_COLUMNS = ", ".join(_q(column) for column in _INSERT_TYPES)
+# Typed placeholders: a VALUES list feeding INSERT … SELECT has no target to infer from.
+_INSERT_ROW = "(" + ", ".join(f"%s::{kind}" for kind in _INSERT_TYPES.values()) + ")"
 
 # Identity lock of one (community, run, step): producers of the same step queue
 # here, so the "already exists?" answer stays true until the commit lands.
@@ -65,16 +79,13 @@ SELECT EXISTS (
 
 
 _ON_CONFLICT = "ON CONFLICT ON CONSTRAINT wd_delivery_identity_key DO NOTHING RETURNING id"
-_INSERT_TYPES = ["uuid", "uuid", "uuid", "uuid", "text", "bytea", "bytea", "bytea"]
-_INSERT_TYPES += ["timestamptz", "text", "bytea", "timestamptz", "uuid"]
 
 
 @lru_cache(maxsize=64)
 def insert_deliveries(count: int) -> str:
     """One multi-row insert of ``count`` deliveries; an existing identity is skipped."""
-    row = "(" + ", ".join(["%s"] * INSERT_ROW_WIDTH) + ")"
-    columns = ", ".join(_q(column) for column in _INSERT_COLUMNS)
-    return f"INSERT INTO {DELIVERIES} ({columns}) VALUES {', '.join([row] * count)} {_ON_CONFLICT}"
+    rows = ", ".join([_INSERT_ROW] * count)
+    return f"INSERT INTO {DELIVERIES} ({_INSERT_COLUMNS}) VALUES {rows} {_ON_CONFLICT}"
 
 
 @lru_cache(maxsize=64)
@@ -82,12 +93,11 @@ def lock_and_insert_deliveries(count: int) -> str:
     """The step's identity lock and the insert of its ``count`` deliveries in one
     statement, for a producer that does not ask whether the step exists. The lock's
     CTE is scanned before any row is produced, so no row is written without it."""
-    row = "(" + ", ".join(f"%s::{kind}" for kind in _INSERT_TYPES) + ")"
-    columns = ", ".join(_q(column) for column in _INSERT_COLUMNS)
+    rows = ", ".join([_INSERT_ROW] * count)
     return f"""
 WITH step_lock AS MATERIALIZED ({LOCK_STEP_IDENTITY.strip()}::text AS locked)
-INSERT INTO {DELIVERIES} ({columns})
-SELECT v.* FROM (VALUES {", ".join([row] * count)}) AS v ({columns}) CROSS JOIN step_lock
+INSERT INTO {DELIVERIES} ({_INSERT_COLUMNS})
+SELECT v.* FROM (VALUES {rows}) AS v ({_INSERT_COLUMNS}) CROSS JOIN step_lock
 {_ON_CONFLICT}
 """
 
@@ -108,6 +118,14 @@ RETURNING {_RETURNING}
 """
 
 
+# Back to pending with the fence bumped, so the holder's lease is dead (reap, release).
+_BACK_TO_PENDING = (
+    "status = 'pending', lease_generation = d.lease_generation + 1, "
+    "lease_until = NULL, claimed_at = NULL"
+)
+# The lease fields a terminal row gives up (finish, operator mark failed).
+_SETTLE = "finished_at = now(), lease_until = NULL, claimed_at = NULL"
+
 # The four conditions of a live lease: claimed, same generation, same target, not expired.
 _LIVE_LEASE = """
   community_id = %s AND id = %s AND target_pubkey = %s AND lease_generation = %s
@@ -123,7 +141,7 @@ RETURNING lease_until
 
 FINISH = f"""
 UPDATE {DELIVERIES}
-   SET status = %s, finished_at = now(), lease_until = NULL, claimed_at = NULL
+   SET status = %s, {_SETTLE}
  WHERE {_LIVE_LEASE}
 RETURNING status
 """
@@ -147,10 +165,7 @@ WITH expired AS (
      FOR UPDATE SKIP LOCKED
 )
 UPDATE {DELIVERIES} AS d
-   SET status = 'pending',
-       lease_generation = d.lease_generation + 1,
-       lease_until = NULL,
-       claimed_at = NULL
+   SET {_BACK_TO_PENDING}
   FROM expired
  WHERE d.id = expired.id
 RETURNING d.community_id
@@ -159,10 +174,7 @@ RETURNING d.community_id
 # An operator's release of chosen claimed rows (admin): back to pending, fence bumped.
 RELEASE = f"""
 UPDATE {DELIVERIES} AS d
-   SET status = 'pending',
-       lease_generation = d.lease_generation + 1,
-       lease_until = NULL,
-       claimed_at = NULL
+   SET {_BACK_TO_PENDING}
  WHERE d.community_id = %s AND d.id = ANY(%s) AND d.status = 'claimed'
    AND community_write_allowed(d.community_id)
 RETURNING d.id
@@ -171,13 +183,14 @@ RETURNING d.id
 # An operator's terminal for chosen non-terminal rows (admin), recorded as failed.
 MARK_FAILED = f"""
 UPDATE {DELIVERIES} AS d
-   SET status = 'failed', finished_at = now(), lease_until = NULL, claimed_at = NULL
+   SET status = 'failed', {_SETTLE}
  WHERE d.community_id = %s AND d.id = ANY(%s) AND d.status IN ('pending', 'claimed')
    AND community_write_allowed(d.community_id)
 RETURNING d.id
 """
 
-ISOLATION_LEVEL = "SELECT current_setting('transaction_isolation')"
+# The fence's own rule, from migration 0003: READ COMMITTED or a clear error.
+REQUIRE_READ_COMMITTED = "SELECT wd_require_read_committed()"
 
 COMMUNITY_WRITE_ALLOWED = "SELECT community_write_allowed(%s::uuid)"
 
@@ -217,10 +230,43 @@ def purge_statement(table: str) -> str:
     return f"DELETE FROM {_q(table)} WHERE community_id = %s"
 
 
-def require_read_committed(cursor: CursorWrapper) -> None:
-    cursor.execute(ISOLATION_LEVEL)
-    level = cursor.fetchone()[0]
-    if level != "read committed":
-        raise IsolationLevelError(
-            f"the community write fence needs READ COMMITTED isolation, not {level.upper()}"
-        )
+_REFERENCE_CONSTRAINTS = {
+    "wd_delivery_community_fk": "community",
+    "wd_delivery_workflow_fk": "workflow",
+    "wd_delivery_run_fk": "run (of that workflow)",
+    "wd_delivery_message_event_fk": "message event (at that created_at)",
+}
+_LIFECYCLE_CONSTRAINTS = {"wd_community_lifecycle_forward", "wd_community_tombstone_permanent"}
+_DELIVERY_PRIMARY_KEY = f"{WorkflowAgentDelivery._meta.db_table}_pkey"
+
+
+@contextmanager
+def database_errors() -> Iterator[None]:
+    """Turn a database error into a named fact by the constraint it names; anything
+    unrecognised is re-raised as it is."""
+    try:
+        yield
+    except DatabaseError as exc:
+        diag = getattr(exc.__cause__, "diag", None)
+        constraint = getattr(diag, "constraint_name", None)
+        sqlstate = getattr(exc.__cause__, "sqlstate", None)
+        message = getattr(diag, "message_primary", None) or str(exc)
+        if constraint == "wd_community_write_fence":
+            raise CommunityWriteFenced(message) from exc
+        if constraint in _LIFECYCLE_CONSTRAINTS:
+            raise InvalidLifecycleTransition(message) from exc
+        if constraint == _DELIVERY_PRIMARY_KEY:
+            raise DeliveryConflict(
+                f"a delivery with this id already exists for another step or target: {message}"
+            ) from exc
+        if constraint in _REFERENCE_CONSTRAINTS:
+            raise ReferenceMissing(
+                constraint,
+                f"the {_REFERENCE_CONSTRAINTS[constraint]} named by the delivery does not exist "
+                f"in its community ({constraint})",
+            ) from exc
+        if constraint and constraint.startswith("wd_"):
+            raise ConstraintViolation(constraint, f"{constraint}: {message}") from exc
+        if sqlstate == "25000" and "READ COMMITTED" in message:
+            raise IsolationLevelError(message) from exc
+        raise
