@@ -8,34 +8,28 @@ miss, a lost lease) are values; database rule violations become named exceptions
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
-from contextlib import contextmanager, nullcontext
-from datetime import UTC, datetime, timedelta
-from typing import Any
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
+from datetime import datetime
 from uuid import UUID
 
-from django.db import DEFAULT_DB_ALIAS, connections, transaction
-from django.db.models.expressions import RawSQL
+from django.db import DEFAULT_DB_ALIAS, transaction
 
-from . import sql
+from . import db, sql
 from .conf import app_settings, is_whole_number, is_yield_ratio
 from .exceptions import BindingScopeError, InvalidLeaseSeconds, ProtocolError
 from .models import WorkflowAgentDelivery
 from .protocol import (
     AlreadyTerminal,
-    CauseKind,
     DeliveryBinding,
     DeliveryRecord,
     DeliveryStatus,
-    EventCause,
     Lease,
     LeaseLost,
     NewDelivery,
     Outcome,
     Renewed,
-    ScheduleCause,
     Settled,
-    WebhookCause,
     as_bytes32,
     as_datetime,
     as_step_id,
@@ -55,55 +49,6 @@ __all__ = [
     "renew_delivery",
 ]
 
-try:
-    import psycopg
-except ImportError:  # Django on psycopg2: the app's statements use Django's cursor.
-    psycopg = None
-
-_NEVER_BY_COUNT = 2**31 - 1
-
-if psycopg is not None:
-
-    class _PreparedCursor(psycopg.Cursor):
-        """Server-side binding, binary results; each statement prepared once per connection."""
-
-        def execute(self, query, params=None, **kwargs):  # type: ignore[override]
-            return super().execute(query, params, prepare=True, binary=True)
-
-
-@contextmanager
-def _cursor(using: str, *, savepoint: bool = True) -> Iterator[Any]:
-    """A cursor for the app's own statements, with database errors made domain errors.
-
-    With ``WORKFLOW_DELIVERY_PREPARED_STATEMENTS`` (the default) and psycopg 3, the
-    statements go straight to psycopg on Django's connection, bound server-side and
-    prepared, so PostgreSQL parses and plans each one once per connection rather than
-    per call; they then do not appear in ``connection.queries``. Otherwise Django's
-    cursor is used.
-    """
-    wrapper = connections[using]
-    # Each statement is atomic on its own in autocommit; inside a caller's transaction
-    # a savepoint keeps a refused statement from aborting the caller's work.
-    scope = transaction.atomic(using=using) if savepoint and wrapper.in_atomic_block else None
-    with scope or nullcontext():
-        # The checks Django's own cursor() makes before handing out a cursor.
-        wrapper.close_if_health_check_failed()
-        wrapper.ensure_connection()
-        raw = wrapper.connection
-        prepared = app_settings.PREPARED_STATEMENTS and psycopg is not None
-        if not prepared or not isinstance(raw, psycopg.Connection):
-            with sql.database_errors(), wrapper.cursor() as cursor:
-                yield cursor
-            return
-        wrapper.validate_thread_sharing()
-        wrapper.validate_no_broken_transaction()
-        if raw.prepare_threshold is None:
-            # Django turns psycopg's preparation off; a threshold no query reaches
-            # turns it back on for statements asked to prepare, and only for those.
-            raw.prepare_threshold = _NEVER_BY_COUNT
-        with sql.database_errors(), wrapper.wrap_database_errors, _PreparedCursor(raw) as c:
-            yield c
-
 
 def _lease_seconds(value: object) -> int:
     maximum = app_settings.MAX_LEASE_SECONDS
@@ -114,69 +59,6 @@ def _lease_seconds(value: object) -> int:
     if not 0 < value <= maximum:
         raise InvalidLeaseSeconds("lease_seconds", f"must be between 1 and {maximum}, not {value}")
     return value
-
-
-def _cause_columns(binding: DeliveryBinding) -> list[object]:
-    cause = binding.cause
-    return [
-        cause.kind.value,
-        cause.event_id if isinstance(cause, EventCause) else None,
-        cause.scheduled_for if isinstance(cause, ScheduleCause) else None,
-        cause.invocation_id if isinstance(cause, WebhookCause) else None,
-    ]
-
-
-def _cause(kind: str, event_id: bytes | None, scheduled_for, invocation_id):
-    if kind == CauseKind.EVENT:
-        return EventCause(bytes(event_id))
-    if kind == CauseKind.SCHEDULE:
-        return ScheduleCause(scheduled_for)
-    return WebhookCause(invocation_id)
-
-
-def _record(row: Sequence) -> DeliveryRecord:
-    (
-        id_,
-        community_id,
-        workflow_id,
-        run_id,
-        step_id,
-        target_pubkey,
-        definition_event_id,
-        message_event_id,
-        message_event_created_at,
-        cause_kind,
-        cause_event_id,
-        cause_scheduled_for,
-        cause_webhook_invocation_id,
-        status,
-        lease_generation,
-        lease_until,
-        claimed_at,
-        finished_at,
-        created_at,
-    ) = row
-    binding = DeliveryBinding(
-        community_id=community_id,
-        workflow_id=workflow_id,
-        run_id=run_id,
-        step_id=step_id,
-        target_pubkey=bytes(target_pubkey),
-        definition_event_id=bytes(definition_event_id),
-        message_event_id=bytes(message_event_id),
-        cause=_cause(cause_kind, cause_event_id, cause_scheduled_for, cause_webhook_invocation_id),
-    )
-    return DeliveryRecord(
-        id=id_,
-        binding=binding,
-        status=DeliveryStatus(status),
-        lease_generation=lease_generation,
-        lease_until=lease_until,
-        claimed_at=claimed_at,
-        finished_at=finished_at,
-        created_at=created_at,
-        message_event_created_at=message_event_created_at,
-    )
 
 
 def _lease_params(lease: object) -> list[object]:
@@ -267,7 +149,7 @@ class StepIdentity:
                 b.definition_event_id,
                 b.message_event_id,
                 created_at,
-                *_cause_columns(b),
+                *db.cause_columns(b),
             ]
         return len(batch), params
 
@@ -277,7 +159,7 @@ class StepIdentity:
         """Insert the step's deliveries at once; return the ids actually created.
         An existing (community, run, step, target) is skipped, so a retry creates nothing."""
         count, params = self._values(message_event_created_at, _new_deliveries(deliveries))
-        with _cursor(self._using, savepoint=False) as cursor:
+        with db.cursor(self._using, savepoint=False) as cursor:
             cursor.execute(sql.insert_deliveries(count), params)
             created = [row[0] for row in cursor.fetchall()]
         if created:
@@ -300,7 +182,7 @@ def delivery_identity(
     community_id = as_uuid("community_id", community_id)
     run_id = as_uuid("run_id", run_id)
     with transaction.atomic(using=using):
-        with _cursor(using, savepoint=False) as cursor:
+        with db.cursor(using, savepoint=False) as cursor:
             # Transaction-scoped: released by our commit or rollback, never leaked.
             cursor.execute(sql.LOCK_STEP_IDENTITY, [str(community_id), str(run_id), step_id])
             cursor.execute(sql.STEP_EXISTS, [community_id, run_id, step_id])
@@ -325,7 +207,7 @@ def commit_deliveries(
     lock = [str(identity.community_id), str(identity.run_id), identity.step_id]
     # One statement takes the step's identity lock and inserts every row: in
     # autocommit it is its own transaction (all rows or none), else the caller's.
-    with _cursor(using) as cursor:
+    with db.cursor(using) as cursor:
         cursor.execute(sql.lock_and_insert_deliveries(count), [*lock, *params])
         return [row[0] for row in cursor.fetchall()]
 
@@ -351,7 +233,7 @@ def _claim_filters(
             message_event_id=expected.message_event_id,
             cause_kind=expected.cause.kind.value,
         )
-        _, event_id, scheduled_for, invocation_id = _cause_columns(expected)
+        _, event_id, scheduled_for, invocation_id = db.cause_columns(expected)
         if event_id is not None:
             filters["cause_event_id"] = event_id
         elif scheduled_for is not None:
@@ -359,55 +241,6 @@ def _claim_filters(
         else:
             filters["cause_webhook_invocation_id"] = invocation_id
     return filters
-
-
-# A literal, not a parameter: a prepared (generic) plan can then use the partial
-# claim index, whose predicate is status = 'pending'.
-_PENDING = RawSQL("'pending'", ())
-
-
-def _claim_queryset(filters: dict[str, object], using: str):
-    # The oldest pending row nobody else holds: a locked row is someone else's
-    # claim in flight, so skip it rather than queue behind it.
-    rows = WorkflowAgentDelivery.objects.using(using).filter(status=_PENDING, **filters)
-    return rows.order_by("created_at", "id").select_for_update(skip_locked=True).values("id")[:1]
-
-
-def _placeholder(position: int, value: object) -> object:
-    """A value of ``value``'s type that no other filter of the same claim carries."""
-    if isinstance(value, UUID):
-        return UUID(int=position + 1)
-    if isinstance(value, bytes):
-        return position.to_bytes(32, "big")
-    if isinstance(value, datetime):
-        return datetime(2000, 1, 1, tzinfo=UTC) + timedelta(seconds=position)
-    return f"claim-parameter-{position}"
-
-
-# Claim statements compiled from the queryset, by (alias, filtered fields). Building
-# and compiling the queryset cost more than the claim itself; only its shape decides
-# the SQL, so each shape is compiled once, with placeholders that reveal which
-# filter feeds which parameter.
-_CLAIM_STATEMENTS: dict[tuple[str, tuple[str, ...]], tuple[str, tuple[str, ...]]] = {}
-
-
-def _claim_statement(filters: dict[str, object], using: str) -> tuple[str, list[object]]:
-    shape = (using, tuple(filters))
-    compiled = _CLAIM_STATEMENTS.get(shape)
-    if compiled is None:
-        placeholders = {
-            name: _placeholder(position, value)
-            for position, (name, value) in enumerate(filters.items())
-        }
-        queryset = _claim_queryset(placeholders, using)
-        # Django compiles FOR UPDATE only inside a transaction; nothing runs here.
-        with transaction.atomic(using=using):
-            select_sql, params = queryset.query.get_compiler(using=using).as_sql()
-        field_of = {value: name for name, value in placeholders.items()}
-        order = tuple(field_of[getattr(param, "obj", param)] for param in params)
-        compiled = _CLAIM_STATEMENTS[shape] = (sql.claim_statement(select_sql), order)
-    statement, order = compiled
-    return statement, [filters[name] for name in order]
 
 
 def claim_delivery(
@@ -432,16 +265,16 @@ def claim_delivery(
         if expected.community_id != community_id or expected.target_pubkey != target_pubkey:
             return None
     filters = _claim_filters(community_id, target_pubkey, delivery_id, expected)
-    statement, params = _claim_statement(filters, using)
+    statement, params = db.claim_statement(filters, using)
     # One statement: the locking SELECT and the UPDATE share one transaction (the
     # statement's own in autocommit, or the caller's), so the row lock lasts exactly
     # as long as needed.
-    with _cursor(using) as cursor:
+    with db.cursor(using) as cursor:
         cursor.execute(statement, [*params, seconds])
         row = cursor.fetchone()
     if row is None:
         return None
-    record = _record(row)
+    record = db.record(row)
     lease = Lease(
         community_id=community_id,
         delivery_id=record.id,
@@ -459,7 +292,7 @@ def renew_delivery(
     lease is lost and cannot revive itself."""
     params = _lease_params(lease)
     seconds = _lease_seconds(lease_seconds)
-    with _cursor(using) as cursor:
+    with db.cursor(using) as cursor:
         cursor.execute(sql.RENEW, [seconds, *params])
         row = cursor.fetchone()
     return Renewed(lease_until=row[0]) if row else LeaseLost()
@@ -475,7 +308,7 @@ def finish_delivery(
         outcome = Outcome(outcome)
     except ValueError:
         raise ProtocolError("outcome", f"must be finished or failed, not {outcome!r}") from None
-    with _cursor(using) as cursor:
+    with db.cursor(using) as cursor:
         cursor.execute(sql.FINISH, [outcome.value, *params])
         if cursor.fetchone() is not None:
             return Settled(outcome=outcome)
@@ -515,7 +348,7 @@ def reap_expired_deliveries(
         started = time.monotonic()
         # Each batch is its own short transaction (unless the caller holds one), so a
         # sweep never holds more than ``size`` row locks at once.
-        with _cursor(using) as cursor:
+        with db.cursor(using) as cursor:
             cursor.execute(sql.REAP_BATCH, [size])
             count = len(cursor.fetchall())
         elapsed = time.monotonic() - started
@@ -540,7 +373,7 @@ def get_delivery(
         .values_list(*sql.RECORD_COLUMNS)
         .first()
     )
-    return _record(row) if row is not None else None
+    return db.record(row) if row is not None else None
 
 
 def _operator_update(
@@ -550,7 +383,7 @@ def _operator_update(
     ids = [as_uuid("delivery_id", value) for value in delivery_ids]
     if not ids:
         return []
-    with _cursor(using) as cursor:
+    with db.cursor(using) as cursor:
         cursor.execute(statement, [community_id, ids])
         return [row[0] for row in cursor.fetchall()]
 

@@ -30,7 +30,7 @@ _q = connection.ops.quote_name
 DELIVERIES = _q(WorkflowAgentDelivery._meta.db_table)
 COMMUNITIES = _q(Community._meta.db_table)
 
-# Columns of a delivery record, in the order ``services._record`` reads them.
+# Columns of a delivery record, in the order ``db.record`` reads them.
 RECORD_COLUMNS = [
     "id",
     "community_id",
