@@ -13,6 +13,8 @@ DEFAULTS: dict[str, Any] = {
     "REAP_INTERVAL_SECONDS": 5.0,
     "REAP_YIELD_RATIO": 1.0,
     "PREPARED_STATEMENTS": True,
+    # Producer commits send a wake-up per created delivery (see wakeups.py).
+    "NOTIFY": True,
 }
 
 
