@@ -60,15 +60,22 @@ def with_reconnect(journal: Journal, during: str, call: Callable[[], T]) -> T | 
     """Run ``call`` until it gets an answer from the database; None once stopping.
 
     Only connection-level failures are retried (a dropped backend, a server going down or
-    starting up): the connection is closed so Django opens a fresh one next time. Anything
-    else is a real error and propagates.
+    starting up, a session killed by idle_in_transaction_session_timeout): the connection
+    is closed so Django opens a fresh one next time. Anything else is a real error and
+    propagates.
     """
-    from django.db import InterfaceError, OperationalError, connection
+    from django.db import connection
+
+    from workflow_delivery.errors import is_connection_lost
 
     while True:
         try:
             return call()
-        except (OperationalError, InterfaceError) as exc:
+        except Exception as exc:
+            # The one classification of the app (errors.py): a lost session, by its
+            # SQLSTATE (25P03 included); anything else, a timeout included, is real.
+            if not is_connection_lost(exc):
+                raise
             journal.write("conn_error", during=during, error=str(exc).splitlines()[0][:200])
             connection.close()
             if Stop.requested and during == "claim":

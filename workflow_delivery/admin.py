@@ -203,7 +203,9 @@ class CommunityAdmin(ReadOnlyAdmin):
         moved = []
         for community in queryset.filter(deletion_state=source):
             try:
-                fence.transition_community(community.pk, target)
+                # The state this page read, checked under the executor's lock: a row
+                # moved on (or back) meanwhile is skipped, never moved from elsewhere.
+                fence.transition_community(community.pk, target, expected=source)
             except (InvalidLifecycleTransition, CommunityNotFound):
                 continue  # moved on by someone else since the page was read
             moved.append(community)
