@@ -6,6 +6,7 @@ lease checks by the statement's clock."""
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 import uuid
@@ -19,10 +20,12 @@ import pytest
 from django.db import DatabaseError, OperationalError, connection, transaction
 
 from tests import factories
-from workflow_delivery import errors, fence, services
+from workflow_delivery import checks, errors, fence, services
+from workflow_delivery.conf import LEASE_SECONDS_BOUND
 from workflow_delivery.exceptions import (
     CommunityWriteFenced,
     DeliveryTimeout,
+    InvalidLeaseSeconds,
     InvalidLifecycleTransition,
     IsolationLevelError,
     ProtocolError,
@@ -779,3 +782,54 @@ def test_a_fenced_write_names_its_community(db):
     with pytest.raises(CommunityWriteFenced) as caught:
         services.commit_deliveries(step.community.id, step.created_at, step.new_deliveries())
     assert caught.value.community_id == step.community.id
+
+
+# --- 8 and 13: lease bounds and intervals ------------------------------------------------
+
+
+def test_the_default_maximum_lease_is_seven_days():
+    from django.conf import settings
+
+    from workflow_delivery.conf import DEFAULTS
+
+    assert (
+        DEFAULTS["MAX_LEASE_SECONDS"] == 7 * 86400 == settings.WORKFLOW_DELIVERY_MAX_LEASE_SECONDS
+    )
+
+
+@pytest.mark.parametrize("maximum", [LEASE_SECONDS_BOUND + 1, 10**12])
+def test_a_maximum_lease_beyond_the_bound_is_refused_by_the_system_check(settings, maximum):
+    settings.WORKFLOW_DELIVERY_MAX_LEASE_SECONDS = maximum
+    found = [error for error in checks.check_settings() if error.id == "workflow_delivery.E006"]
+    assert [error.msg for error in found] == [
+        checks.E006_MSG.format(value=maximum, bound=LEASE_SECONDS_BOUND)
+    ]
+
+
+def test_a_lease_at_the_bound_is_handed_out_and_a_longer_one_is_refused(db, settings):
+    settings.WORKFLOW_DELIVERY_MAX_LEASE_SECONDS = 10**12  # misconfigured: bounded anyway
+    assert not [e for e in checks.check_settings() if e.id != "workflow_delivery.E006"]
+    step = factories.Step(targets=2)
+    factories.committed(step)
+    lease, _ = services.claim_delivery(
+        step.community.id, step.targets[0], lease_seconds=LEASE_SECONDS_BOUND
+    )
+    assert lease.lease_until.year >= time.gmtime().tm_year + 9
+    with pytest.raises(InvalidLeaseSeconds):
+        services.claim_delivery(step.community.id, step.targets[1], lease_seconds=10**12)
+    assert WorkflowAgentDelivery.objects.filter(status="pending").count() == 1
+
+
+@pytest.mark.parametrize("value", [math.inf, math.nan], ids=["inf", "nan"])
+def test_an_endless_reap_interval_is_refused(settings, value):
+    settings.WORKFLOW_DELIVERY_REAP_INTERVAL_SECONDS = value
+    assert "workflow_delivery.E004" in [error.id for error in checks.check_settings()]
+
+
+@pytest.mark.parametrize("value", ["inf", "nan", "-inf"])
+def test_reap_deliveries_refuses_an_endless_interval(db, value):
+    from django.core.management import call_command
+    from django.core.management.base import CommandError
+
+    with pytest.raises(CommandError, match="--interval must be a positive number"):
+        call_command("reap_deliveries", "--loop", "--max-sweeps", "1", f"--interval={value}")

@@ -8,7 +8,6 @@ between batches when asked to.
 from __future__ import annotations
 
 import logging
-import math
 import signal
 import threading
 import time
@@ -94,7 +93,7 @@ def log_level(verbosity: int) -> Iterator[None]:
 def positive(option: str, value: object, *, whole: bool) -> None:
     """Refuse a command option that is not positive. Checked in the command rather
     than by argparse, so ``call_command(..., interval=0)`` is refused too."""
-    if not ((is_whole_number if whole else is_number)(value) and 0 < value < math.inf):
+    if not ((is_whole_number if whole else is_number)(value) and value > 0):
         noun = "whole number" if whole else "number of seconds"
         raise CommandError(f"{option} must be a positive {noun}, not {value!r}")
 

@@ -16,7 +16,7 @@ from uuid import UUID
 from django.db import DEFAULT_DB_ALIAS, transaction
 
 from . import db, sql
-from .conf import app_settings, is_whole_number, is_yield_ratio
+from .conf import LEASE_SECONDS_BOUND, app_settings, is_whole_number, is_yield_ratio
 from .exceptions import BindingScopeError, InvalidLeaseSeconds, ProtocolError, StepIdentityClosed
 from .models import WorkflowAgentDelivery
 from .protocol import (
@@ -51,7 +51,9 @@ __all__ = [
 
 
 def _lease_seconds(value: object) -> int:
-    maximum = app_settings.MAX_LEASE_SECONDS
+    # Bounded whatever the setting says (the system check reports a larger one), so a
+    # lease end can never overflow the database's timestamp range.
+    maximum = min(app_settings.MAX_LEASE_SECONDS, LEASE_SECONDS_BOUND)
     if value is None:
         value = app_settings.DEFAULT_LEASE_SECONDS
     if not is_whole_number(value):
