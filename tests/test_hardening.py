@@ -833,3 +833,23 @@ def test_reap_deliveries_refuses_an_endless_interval(db, value):
 
     with pytest.raises(CommandError, match="--interval must be a positive number"):
         call_command("reap_deliveries", "--loop", "--max-sweeps", "1", f"--interval={value}")
+
+
+# --- migration 0006 is reversible ----------------------------------------------------------
+
+
+@pytest.mark.django_db(transaction=True)
+def test_reversing_0006_restores_the_rules_of_0003():
+    from django.core.management import call_command
+
+    try:
+        call_command("migrate", "workflow_delivery", "0005", verbosity=0)
+        owner = factories.community()
+        with connection.cursor() as c:
+            # 0003's lifecycle: any forward move, a skipped step included.
+            c.execute("UPDATE communities SET deletion_state = 'fenced' WHERE id = %s", [owner.id])
+    finally:
+        call_command("migrate", "workflow_delivery", verbosity=0)
+    skipping = factories.community()
+    with pytest.raises(DatabaseError), transaction.atomic(), connection.cursor() as c:
+        c.execute("UPDATE communities SET deletion_state = 'fenced' WHERE id = %s", [skipping.id])
