@@ -243,6 +243,23 @@ def test_operator_release_does_not_queue_behind_a_tenant_lock(lock_timeout):
     ]
 
 
+def test_delivery_stats_and_the_dry_run_do_not_queue_behind_a_tenant_lock(lock_timeout):
+    from io import StringIO
+
+    from django.core.management import call_command
+
+    step = factories.Step(targets=1)
+    factories.committed(step)
+    expire_all(step)
+    with other() as executor:
+        executor.execute("SELECT pg_advisory_xact_lock(%s)", [key_of(step.community.id)])
+        started = time.monotonic()
+        call_command("delivery_stats", "--json", stdout=StringIO())
+        call_command("reap_deliveries", "--dry-run", stdout=StringIO())
+        assert time.monotonic() - started < QUICK
+        executor.rollback()
+
+
 # --- 2. a batch never reads the rows parked in a tenant that is not active ---------------
 
 
