@@ -8,7 +8,7 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from statistics import mean
+from statistics import mean, median
 
 from tqdm import tqdm
 
@@ -264,6 +264,84 @@ def reap(db: common.BenchDb, options: Options) -> list[Figure]:
     ]
 
 
+# The reaper cliff of issue 10: a few reapable rows in a healthy tenant, measured with
+# no rows parked elsewhere and then with rows/10 expired leases parked in a fenced one.
+CLIFF_REAPABLE = 5
+CLIFF_BATCH = 2
+CLIFF_SWEEPS = 30
+
+_REARM = """
+UPDATE workflow_agent_deliveries
+   SET status = 'claimed', lease_generation = lease_generation + 1,
+       claimed_at = now() - interval '2 hours', lease_until = now() - interval '1 hour'
+ WHERE community_id = %s
+"""
+
+
+def _cliff_sweeps(conn, tenant: common.Tenant, desc: str) -> list[float]:
+    """Seconds per reaper batch over CLIFF_SWEEPS sweeps of the healthy tenant's rows."""
+    from workflow_delivery import services
+
+    seconds: list[float] = []
+    for _ in tqdm(range(CLIFF_SWEEPS), desc=desc, unit="sweep", leave=False):
+        conn.execute(_REARM, [tenant.community_id])
+        reclaimed = services.reap_expired_deliveries(
+            batch_size=CLIFF_BATCH,
+            yield_ratio=0,
+            on_batch=lambda count, elapsed: seconds.append(elapsed),
+        )
+        if reclaimed != CLIFF_REAPABLE:
+            raise RuntimeError(f"{desc}: reclaimed {reclaimed}, not {CLIFF_REAPABLE}")
+    return seconds
+
+
+def reap_cliff(db: common.BenchDb, options: Options) -> list[Figure]:
+    """Batch time of the reaper with 0 vs rows/10 expired leases parked in a fenced
+    community: non-active tenants are excluded before any per-row work, so what is
+    parked must not slow a batch (bar: at least 0.9x the rate without)."""
+    parked = options.rows // 10
+    with db.connect() as conn:
+        common.truncate_deliveries(conn)
+        healthy = common.create_tenant(conn, "healthy")
+        frozen = common.create_tenant(conn, "frozen")
+        common.seed_deliveries(conn, healthy, CLIFF_REAPABLE, state=common.EXPIRED, progress=False)
+        common.vacuum(conn)
+        empty = _cliff_sweeps(conn, healthy, "reap cliff: nothing parked")
+        common.seed_deliveries(conn, frozen, parked, state=common.EXPIRED, prefix="parked-")
+        # One lifecycle step at a time, as the database requires.
+        for state in ("quiescing", "fenced"):
+            conn.execute(
+                "UPDATE communities SET deletion_state = %s WHERE id = %s",
+                [state, frozen.community_id],
+            )
+        common.vacuum(conn)
+        loaded = _cliff_sweeps(conn, healthy, f"reap cliff: {parked:,} parked")
+    typical_empty, typical_loaded = median(empty), median(loaded)
+    notes = [
+        f"median batch {typical_empty * 1000:.2f} ms with nothing parked, "
+        f"{typical_loaded * 1000:.2f} ms with {parked:,} parked; "
+        f"{CLIFF_SWEEPS} sweeps of {CLIFF_REAPABLE} rows at --batch-size {CLIFF_BATCH}"
+    ]
+    return [
+        Figure(
+            "reap_cliff",
+            f"reaper batches/s with {parked:,} leases parked in a fenced community vs none",
+            1 / typical_loaded,
+            1 / typical_empty,
+            "batches/s",
+            bar=0.9,
+            notes=notes,
+        ),
+        Figure(
+            "reap_cliff",
+            f"median reaper batch with {parked:,} parked",
+            typical_loaded * 1000,
+            typical_empty * 1000,
+            "ms",
+        ),
+    ]
+
+
 def latency(db: common.BenchDb, options: Options) -> list[Figure]:
     figures = []
     for workers in (1, options.workers or 8):
@@ -286,5 +364,6 @@ BENCHMARKS: dict[str, Callable[[common.BenchDb, Options], list[Figure]]] = {
     "history": history,
     "isolation": isolation,
     "reap": reap,
+    "reap_cliff": reap_cliff,
     "latency": latency,
 }

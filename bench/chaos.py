@@ -67,6 +67,9 @@ class ChaosConfig:
     drain_seconds: float | None = None
     long_work_share: float = 0.05
     idle_poll: float = 0.1
+    # The tenant deleter (a huge step into a tenant that is then deleted while the
+    # fleet works); 0 targets leaves it out.
+    huge_step_targets: int = 6000
     seed: int = field(default_factory=lambda: random.randrange(1 << 30))
     journal_dir: Path | None = None
 
@@ -187,6 +190,9 @@ class Harness:
             "long_work_share": config.long_work_share,
             "idle_poll": config.idle_poll,
             "seed": config.seed,
+            "huge_step_targets": config.huge_step_targets,
+            # Early in the window, so the restart at its middle rarely overlaps.
+            "deletion_after": 0.15 * config.seconds,
         }
         config_path = run_dir / "config.json"
         config_path.write_text(json.dumps(worker_config))
@@ -317,12 +323,14 @@ class Harness:
             self.fleet.spawn("agent", index)
         for index in range(config.producers):
             self.fleet.spawn("producer", index)
+        if config.huge_step_targets:
+            self.fleet.spawn("deleter", 0)
         started = time.monotonic()
         pending = self.schedule()
         drops = 0
         while pending or time.monotonic() - started < config.seconds:
             if STOP.is_set():
-                self.fleet.stop(["producer", "agent", "reaper"], timeout=10)
+                self.fleet.stop(["producer", "deleter", "agent", "reaper"], timeout=10)
                 return
             self.fleet.supervise(respawn=True)
             elapsed = time.monotonic() - started
@@ -354,12 +362,15 @@ class Harness:
         while (
             time.monotonic() < deadline
             and not STOP.is_set()
-            and any(p.poll() is None for _, p in self.fleet.of_role("producer"))
+            and any(
+                p.poll() is None
+                for _, p in [*self.fleet.of_role("producer"), *self.fleet.of_role("deleter")]
+            )
         ):
             self.fleet.supervise(respawn=True)
             self.release_stalls()
             time.sleep(0.2)
-        self.fleet.stop(["producer"], timeout=60)
+        self.fleet.stop(["producer", "deleter"], timeout=60)
         deadline = time.monotonic() + config.drain_seconds
         while time.monotonic() < deadline and not STOP.is_set():
             self.fleet.supervise(respawn=True)
@@ -409,7 +420,7 @@ def migrate(url: str) -> None:
 
 def run(config: ChaosConfig) -> ChaosReport:
     """Run one chaos scenario end to end and return the checked figures."""
-    database = f"buzz_chaos_{os.getpid()}"
+    database = f"{os.environ.get('BENCH_DB_PREFIX', 'buzz_chaos')}_{os.getpid()}"
     if config.database_url:
         server = ChaosServer.shared(
             config.database_url, database, allow_restart=config.allow_restart
@@ -459,6 +470,12 @@ def parse_args(argv: list[str] | None = None) -> ChaosConfig:
         action="store_true",
         help="allow restarting the server behind --database-url",
     )
+    parser.add_argument(
+        "--huge-step",
+        type=int,
+        default=6000,
+        help="targets of the deleter's huge step (0: no tenant deletion scenario)",
+    )
     parser.add_argument("--seed", type=int)
     parser.add_argument("--keep-journals", type=Path, help="keep journals and logs under here")
     args = parser.parse_args(argv)
@@ -480,6 +497,7 @@ def parse_args(argv: list[str] | None = None) -> ChaosConfig:
         database_url=args.database_url,
         allow_restart=args.allow_restart,
         journal_dir=args.keep_journals,
+        huge_step_targets=args.huge_step,
     )
     if args.seed is not None:
         config.seed = args.seed

@@ -44,6 +44,11 @@ class ChaosReport:
     takeover_seconds: list[float] = field(default_factory=list)
     settled_by_dead_holder: int = 0
     worker_errors: list[str] = field(default_factory=list)
+    # The tenant deleter: a huge step, then its tenant deleted while the fleet works.
+    huge_step: dict[str, Any] = field(default_factory=dict)
+    probe_reclaim_seconds: float | None = None
+    deletion: dict[str, Any] = field(default_factory=dict)
+    deletion_failures: list[str] = field(default_factory=list)
     header: str = ""
 
     MUST_BE_ZERO = (
@@ -58,7 +63,11 @@ class ChaosReport:
 
     @property
     def ok(self) -> bool:
-        return not self.worker_errors and all(getattr(self, n) == 0 for n in self.MUST_BE_ZERO)
+        return (
+            not self.worker_errors
+            and not self.deletion_failures
+            and all(getattr(self, n) == 0 for n in self.MUST_BE_ZERO)
+        )
 
     def describe(self, config: Any, server: Any, run_dir: Any) -> None:
         if server.data_dir:
@@ -109,15 +118,32 @@ class ChaosReport:
             f" (+{self.settled_by_dead_holder} settled by the holder just before it died)",
             f"worker errors                   {len(self.worker_errors)}   (must be 0)",
         ]
+        if self.huge_step or self.deletion:
+            probe = self.probe_reclaim_seconds
+            lines += [
+                f"huge step                       {self.huge_step.get('rows')} of "
+                f"{self.huge_step.get('targets')} targets in "
+                f"{self.huge_step.get('seconds')} s; retry created "
+                f"{self.huge_step.get('retry_created')}",
+                "healthy lease reclaimed while a tenant held its deletion lock: "
+                + ("never" if probe is None else f"{probe:.2f} s after it expired"),
+                f"tenant deletion                 {self.deletion.get('state', 'not reached')}, "
+                f"rows left {self.deletion.get('rows_left')}",
+                f"deletion scenario failures      {len(self.deletion_failures)}   (must be 0)",
+            ]
+            lines += [f"  {failure}" for failure in self.deletion_failures]
         lines += [f"  {error}" for error in self.worker_errors]
         lines.append("RESULT: " + ("ok" if self.ok else "FAILED"))
         return "\n".join(lines)
 
 
-def _rows(conn: psycopg.Connection) -> dict[str, tuple[str, int, float | None]]:
+def _rows(
+    conn: psycopg.Connection, excluded: list[str]
+) -> dict[str, tuple[str, int, float | None]]:
     rows = conn.execute(
         "SELECT id, status, lease_generation, extract(epoch FROM finished_at) "
-        "FROM workflow_agent_deliveries"
+        "FROM workflow_agent_deliveries WHERE NOT community_id = ANY(%s::uuid[])",
+        [excluded],
     ).fetchall()
     return {
         str(id_): (status, generation, float(at) if at is not None else None)
@@ -140,7 +166,9 @@ def check(
     conn: psycopg.Connection, records: list[dict[str, Any]], crashes: list[str]
 ) -> ChaosReport:
     report = ChaosReport()
-    table = _rows(conn)
+    # The deleter's tenants have their own checks (below), not the fleet's.
+    excluded = [c for r in records if r["op"] == "tenants" for c in r["communities"]]
+    table = _rows(conn, excluded)
     report.rule_violations = conn.execute(RULE_VIOLATIONS).fetchone()[0]
     clock_offset = conn.execute("SELECT extract(epoch FROM clock_timestamp())").fetchone()[0]
     clock_offset = float(clock_offset) - time.time()
@@ -214,4 +242,43 @@ def check(
         for r in records
         if r["op"] == "error"
     ] + list(crashes)
+    _check_deletion(conn, records, report)
     return report
+
+
+def _check_deletion(
+    conn: psycopg.Connection, records: list[dict[str, Any]], report: ChaosReport
+) -> None:
+    """The deleter's scenario: the huge step whole and its retry empty; the healthy
+    probe reclaimed on time while the doomed tenant's deletion lock was held; the
+    doomed tenant tombstoned with no row left."""
+    if not any(r["op"] == "tenants" for r in records):
+        return
+    failures = report.deletion_failures
+    huge = next((r for r in records if r["op"] == "huge_step"), None)
+    if huge is None:
+        failures.append("the huge step was never committed")
+    else:
+        report.huge_step = {k: huge[k] for k in ("targets", "rows", "retry_created", "seconds")}
+        if huge["rows"] != huge["targets"] or huge["retry_created"] or not huge["existed_on_retry"]:
+            failures.append(f"huge step not whole or not idempotent: {report.huge_step}")
+    probe = next((r for r in records if r["op"] == "probe"), None)
+    if probe is None or not probe["while_locked"]:
+        failures.append("the healthy probe was not reclaimed while the tenant was locked")
+    else:
+        report.probe_reclaim_seconds = probe["reclaimed_at"] - probe["lease_until"]
+        bound = probe.get("bound")
+        if bound is not None and report.probe_reclaim_seconds > bound:
+            failures.append(
+                f"the healthy probe took {report.probe_reclaim_seconds:.2f} s (bound {bound} s)"
+            )
+    deletion = next((r for r in records if r["op"] == "deletion"), None)
+    doomed = (next(r for r in records if r["op"] == "tenants"))["communities"][0]
+    state, left = conn.execute(
+        "SELECT (SELECT deletion_state FROM communities WHERE id = %s), "
+        "(SELECT count(*) FROM workflow_agent_deliveries WHERE community_id = %s)",
+        [doomed, doomed],
+    ).fetchone()
+    report.deletion = {"state": state, "rows_left": left}
+    if deletion is None or state != "tombstone" or left:
+        failures.append(f"the doomed tenant was not deleted: {report.deletion}")

@@ -1,4 +1,4 @@
-"""One process of a chaos run: a producer, an agent or the reaper.
+"""One process of a chaos run: a producer, an agent, the reaper or the tenant deleter.
 
 Run as ``python bench/chaos_worker.py ROLE CONFIG INDEX``. Each process talks to the database
 only through the service API, journals every outcome it observed, survives dropped connections
@@ -60,15 +60,22 @@ def with_reconnect(journal: Journal, during: str, call: Callable[[], T]) -> T | 
     """Run ``call`` until it gets an answer from the database; None once stopping.
 
     Only connection-level failures are retried (a dropped backend, a server going down or
-    starting up): the connection is closed so Django opens a fresh one next time. Anything
-    else is a real error and propagates.
+    starting up, a session killed by idle_in_transaction_session_timeout): the connection
+    is closed so Django opens a fresh one next time. Anything else is a real error and
+    propagates.
     """
-    from django.db import InterfaceError, OperationalError, connection
+    from django.db import connection
+
+    from workflow_delivery.errors import is_connection_lost
 
     while True:
         try:
             return call()
-        except (OperationalError, InterfaceError) as exc:
+        except Exception as exc:
+            # The one classification of the app (errors.py): a lost session, by its
+            # SQLSTATE (25P03 included); anything else, a timeout included, is real.
+            if not is_connection_lost(exc):
+                raise
             journal.write("conn_error", during=during, error=str(exc).splitlines()[0][:200])
             connection.close()
             if Stop.requested and during == "claim":
@@ -286,7 +293,206 @@ def run_reaper(config: dict[str, Any], index: int, journal: Journal) -> None:
         time.sleep(config["reap_interval"])
 
 
-ROLES = {"producer": run_producer, "agent": run_agent, "reaper": run_reaper}
+def _pause_until(deadline: float) -> bool:
+    """Sleep until ``deadline`` (time.monotonic); False when a stop came first."""
+    while not Stop.requested and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return not Stop.requested
+
+
+def run_deleter(config: dict[str, Any], index: int, journal: Journal) -> None:
+    """A tenant under deletion while the fleet works, fed by a huge step.
+
+    1. A huge step: one step with ``huge_step_targets`` targets (more than 65,535
+       bind parameters would allow row by row) is committed into a doomed community
+       in one call, then retried through ``delivery_identity``, which must create none.
+    2. A few of its deliveries are claimed with one-second leases and left to expire.
+    3. A probe delivery of a healthy community is claimed with a one-second lease.
+    4. The doomed community goes quiescing, and the executor then holds its exclusive
+       deletion lock (a slow drain) until the reaper has reclaimed the healthy probe:
+       the sweep must skip the locked tenant, not wait for it.
+    5. Fenced, purged, tombstoned.
+    """
+    import psycopg
+
+    from workflow_delivery import fence, services
+    from workflow_delivery.models import (
+        Community,
+        Event,
+        Workflow,
+        WorkflowAgentDelivery,
+        WorkflowRun,
+    )
+    from workflow_delivery.protocol import MESSAGE_KIND, DeliveryBinding, EventCause, NewDelivery
+
+    started = time.monotonic()
+    lease = 1
+    created_at = datetime.now(UTC).replace(microsecond=0)
+
+    def tenant(label: str) -> dict[str, Any]:
+        ids = {"community": uuid.uuid4(), "workflow": uuid.uuid4(), "run": uuid.uuid4()}
+        message = os.urandom(32)
+
+        def create() -> None:
+            community, _ = Community.objects.get_or_create(
+                id=ids["community"], defaults={"host": f"chaos-{label}-{index}.example"}
+            )
+            Workflow.objects.get_or_create(
+                id=ids["workflow"],
+                defaults={"community": community, "name": label, "owner_pubkey": os.urandom(32)},
+            )
+            WorkflowRun.objects.get_or_create(
+                id=ids["run"],
+                defaults={"community_id": ids["community"], "workflow_id": ids["workflow"]},
+            )
+            Event.objects.get_or_create(
+                id=message,
+                defaults={
+                    "community_id": ids["community"],
+                    "created_at": created_at,
+                    "kind": MESSAGE_KIND,
+                    "pubkey": os.urandom(32),
+                    "content": label,
+                    "tags": [],
+                },
+            )
+
+        with_reconnect(journal, "tenant", create)
+        return {**ids, "message": message}
+
+    def deliveries(t: dict[str, Any], targets: list[bytes]) -> list[NewDelivery]:
+        return [
+            NewDelivery(
+                uuid.uuid4(),
+                DeliveryBinding(
+                    community_id=t["community"],
+                    workflow_id=t["workflow"],
+                    run_id=t["run"],
+                    step_id="huge",
+                    target_pubkey=target,
+                    definition_event_id=bytes(32),
+                    message_event_id=t["message"],
+                    cause=EventCause(bytes(32)),
+                ),
+            )
+            for target in targets
+        ]
+
+    doomed, probe = tenant("doomed"), tenant("probe")
+    journal.write("tenants", communities=[str(doomed["community"]), str(probe["community"])])
+
+    # 1. The huge step, then its retry by another producer path.
+    targets = [os.urandom(32) for _ in range(config["huge_step_targets"])]
+    t0 = time.monotonic()
+    with_reconnect(
+        journal,
+        "huge_step",
+        lambda: services.commit_deliveries(
+            doomed["community"], created_at, deliveries(doomed, targets)
+        ),
+    )
+    seconds = time.monotonic() - t0
+
+    def retry() -> tuple[bool, int]:
+        with services.delivery_identity(doomed["community"], doomed["run"], "huge") as step:
+            return step.exists, len(step.commit(created_at, deliveries(doomed, targets)))
+
+    exists, retry_created = with_reconnect(journal, "huge_step", retry)
+    rows = with_reconnect(
+        journal,
+        "huge_step",
+        lambda: WorkflowAgentDelivery.objects.filter(community_id=doomed["community"]).count(),
+    )
+    journal.write(
+        "huge_step",
+        targets=len(targets),
+        rows=rows,
+        existed_on_retry=exists,
+        retry_created=retry_created,
+        seconds=round(seconds, 3),
+    )
+
+    # 2. A few leases left to expire in the doomed tenant.
+    for target in targets[:3]:
+        with_reconnect(
+            journal,
+            "claim",
+            lambda t=target: services.claim_delivery(doomed["community"], t, lease_seconds=lease),
+        )
+
+    if not _pause_until(started + config["deletion_after"]):
+        return
+    # 3. The healthy probe.
+    probe_target = os.urandom(32)
+    with_reconnect(
+        journal,
+        "commit",
+        lambda: services.commit_deliveries(
+            probe["community"], created_at, deliveries(probe, [probe_target])
+        ),
+    )
+    claimed = with_reconnect(
+        journal,
+        "claim",
+        lambda: services.claim_delivery(probe["community"], probe_target, lease_seconds=lease),
+    )
+    probe_lease = claimed[0] if claimed else None
+
+    # 4. Quiescing, then the exclusive lock held until the probe is reclaimed.
+    generation = with_reconnect(
+        journal, "deletion", lambda: fence.transition_community(doomed["community"], "quiescing")
+    )
+    hold_limit = lease + 8 * config["reap_interval"] + 10
+
+    def hold() -> float | None:
+        # This session keeps the exclusive lock; a second one watches the probe.
+        with (
+            fence.executor_writes(doomed["community"], generation),
+            psycopg.connect(config["database_url"], autocommit=True) as watcher,
+        ):
+            deadline = time.monotonic() + hold_limit
+            while time.monotonic() < deadline and not Stop.requested:
+                status = watcher.execute(
+                    "SELECT status FROM workflow_agent_deliveries WHERE id = %s",
+                    [probe_lease.delivery_id],
+                ).fetchone()[0]
+                if status == "pending":
+                    return time.time()
+                time.sleep(0.02)
+        return None
+
+    reclaimed_at = with_reconnect(journal, "deletion", hold) if probe_lease else None
+    journal.write(
+        "probe",
+        lease_until=probe_lease.lease_until.timestamp() if probe_lease else None,
+        reclaimed_at=reclaimed_at,
+        while_locked=reclaimed_at is not None,
+        # On time: within a few reaper intervals of the expiry (headroom for a loaded
+        # machine), as if no tenant were locked.
+        bound=3 * config["reap_interval"] + 2,
+    )
+
+    # 5. Fenced, purged, tombstoned.
+    generation = with_reconnect(
+        journal, "deletion", lambda: fence.transition_community(doomed["community"], "fenced")
+    )
+    deleted = with_reconnect(
+        journal, "deletion", lambda: fence.purge_community(doomed["community"], generation)
+    )
+    with_reconnect(
+        journal, "deletion", lambda: fence.transition_community(doomed["community"], "tombstone")
+    )
+    journal.write(
+        "deletion", community=str(doomed["community"]), deleted=deleted, state="tombstone"
+    )
+
+
+ROLES = {
+    "producer": run_producer,
+    "agent": run_agent,
+    "reaper": run_reaper,
+    "deleter": run_deleter,
+}
 
 
 def main(role: str, config_path: str, index: str) -> None:

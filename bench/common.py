@@ -112,7 +112,8 @@ def bench_database(
     """Create ``<prefix>_<pid>`` on the configured server, migrate it, and drop it at
     the end, also on Ctrl-C or SIGTERM. No other database is touched."""
     entry = server_settings()
-    name = f"{prefix}_{os.getpid()}"
+    # BENCH_DB_PREFIX: on a shared server, keep scratch databases under one's own prefix.
+    name = f"{os.environ.get('BENCH_DB_PREFIX', prefix)}_{os.getpid()}"
     admin = conninfo(entry, "postgres")
     previous = signal.signal(signal.SIGTERM, _raise_exit)
     with connect(admin) as conn:

@@ -6,7 +6,8 @@ import os
 import uuid
 from datetime import UTC, datetime
 
-from workflow_delivery.models import Community, Event, Workflow, WorkflowRun
+from workflow_delivery import fence
+from workflow_delivery.models import Community, DeletionState, Event, Workflow, WorkflowRun
 from workflow_delivery.protocol import (
     MESSAGE_KIND,
     MESSAGE_V1_MARKER,
@@ -16,6 +17,9 @@ from workflow_delivery.protocol import (
 )
 from workflow_delivery.services import commit_deliveries
 
+LIFECYCLE = [DeletionState.ACTIVE, DeletionState.QUIESCING, DeletionState.FENCED]
+LIFECYCLE.append(DeletionState.TOMBSTONE)
+
 
 def key32() -> bytes:
     return os.urandom(32)
@@ -23,6 +27,16 @@ def key32() -> bytes:
 
 def whole_second_now() -> datetime:
     return datetime.now(UTC).replace(microsecond=0)
+
+
+def move_to(community_id, state: str, **kwargs) -> int:
+    """Walk a community forward one lifecycle step at a time to ``state`` (the only
+    way the lifecycle moves); returns the last fence generation."""
+    current = Community.objects.get(pk=community_id).deletion_state
+    generation = Community.objects.get(pk=community_id).deletion_fence_generation
+    for step in LIFECYCLE[LIFECYCLE.index(current) + 1 : LIFECYCLE.index(state) + 1]:
+        generation = fence.transition_community(community_id, step, **kwargs)
+    return generation
 
 
 def community(host: str | None = None) -> Community:

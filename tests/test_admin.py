@@ -169,7 +169,7 @@ def test_a_delivery_action_needs_its_own_permission(client, viewer, step, raw, a
 def test_a_community_action_needs_its_own_permission(client, viewer, action, codename, path):
     community = factories.community()
     for state in path:
-        fence.transition_community(community.id, state)
+        factories.move_to(community.id, state)
     before = Community.objects.filter(pk=community.id).values().get()
 
     assert f'value="{action}"' not in client.get(changelist(Community)).content.decode()

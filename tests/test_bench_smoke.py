@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parent.parent
 @pytest.mark.slow
 def test_harness_runs_and_drops_its_database(db, tmp_path: Path) -> None:
     report = tmp_path / "bench.json"
-    command = [sys.executable, str(ROOT / "bench" / "run.py"), "throughput", "reap"]
+    command = [sys.executable, str(ROOT / "bench" / "run.py"), "throughput", "reap", "reap_cliff"]
     command += ["--seconds", "0.3", "--warmup", "0", "--workers", "1", "--rounds", "1"]
     command += ["--rows", "200", "--json", str(report)]
     proc = subprocess.Popen(

@@ -70,3 +70,11 @@ def test_dropped_connections_and_a_restart_are_survived(report):
     assert report.reconnects >= 1, report.render()
     assert report.worker_errors == [], report.render()
     assert report.ok, report.render()
+
+
+def test_a_tenant_under_deletion_does_not_stall_the_fleet(report):
+    assert report.huge_step["rows"] == report.huge_step["targets"] == 6000, report.render()
+    assert report.huge_step["retry_created"] == 0, report.render()
+    assert report.probe_reclaim_seconds is not None, report.render()
+    assert report.deletion == {"state": "tombstone", "rows_left": 0}, report.render()
+    assert report.deletion_failures == [], report.render()

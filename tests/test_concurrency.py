@@ -322,13 +322,16 @@ def test_reaper_skips_a_row_whose_holder_is_finishing(lock_timeout):
     idle, _ = services.claim_delivery(step.community.id, step.targets[1])
     holder = Session()
     try:
-        started = holder.call(begin)
-        # Both leases end at the instant the holder's transaction began: still live for
-        # the holder's statements, already expired for every later transaction.
-        end_leases_at(started, finishing.delivery_id, idle.delivery_id)
+        # Both leases end in a moment: the holder settles while its lease is live (by
+        # its statement's clock) and keeps its transaction open past the lease's end.
+        ends = scalar("SELECT statement_timestamp() + interval '1 second'")
+        end_leases_at(ends, finishing.delivery_id, idle.delivery_id)
+        holder.call(begin)
         assert holder.call(services.finish_delivery, finishing, Outcome.FINISHED) == Settled(
             Outcome.FINISHED
         )
+        while scalar("SELECT statement_timestamp() <= %s", [ends]):
+            time.sleep(0.05)
         assert services.reap_expired_deliveries() == 1
         assert state(finishing.delivery_id) == {
             "status": "claimed",
@@ -348,21 +351,21 @@ def test_reaper_skips_a_row_whose_holder_is_finishing(lock_timeout):
     )
 
 
-def test_holder_finishing_behind_a_reaper_that_reclaimed_its_row_loses():
+def test_holder_finishing_after_a_reaper_reclaimed_its_row_loses_without_waiting(lock_timeout):
     step = factories.Step(targets=1)
     factories.committed(step)
     lease, _ = services.claim_delivery(step.community.id, step.targets[0])
     holder = Session()
     try:
-        started = holder.call(begin)
-        pid = holder.call(scalar, "SELECT pg_backend_pid()")
-        end_leases_at(started, lease.delivery_id)
+        holder.call(begin)
+        end_leases_at(
+            scalar("SELECT statement_timestamp() - interval '1 second'"), lease.delivery_id
+        )
         with transaction.atomic():
             assert services.reap_expired_deliveries() == 1
-            finishing = holder.submit(services.finish_delivery, lease, Outcome.FINISHED)
-            wait_until_blocked(pid)
-        # The reaper committed; the holder's UPDATE re-reads the row and finds it reclaimed.
-        assert finishing.result(timeout=30) == LeaseLost()
+            # The reaper has not committed: by the holder's statement clock its lease is
+            # over, so it loses at once instead of queueing behind the reaper's row lock.
+            assert holder.call(services.finish_delivery, lease, Outcome.FINISHED) == LeaseLost()
         holder.call(commit)
     finally:
         holder.close()

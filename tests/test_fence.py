@@ -38,7 +38,7 @@ TENANT_WRITES = {
 def fenced_step(state: str) -> factories.Step:
     step = factories.Step(targets=2)
     commit_deliveries(step.community.id, step.created_at, step.new_deliveries())
-    fence.transition_community(step.community.id, state)
+    factories.move_to(step.community.id, state)
     return step
 
 
@@ -62,7 +62,7 @@ def test_write_to_a_tenant_table_of_a_non_active_community_is_refused(db, state,
 @pytest.mark.parametrize("state", NOT_ACTIVE)
 def test_insert_into_a_non_active_community_is_refused(db, state):
     owner = factories.community()
-    fence.transition_community(owner.id, state)
+    factories.move_to(owner.id, state)
     with pytest.raises(DatabaseError) as caught, transaction.atomic():
         factories.workflow(owner)
     assert caught.value.__cause__.diag.constraint_name == "wd_community_write_fence"
@@ -74,7 +74,7 @@ def test_moving_a_row_across_a_fenced_community_is_refused(db, direction):
     healthy, frozen = factories.community(), factories.community()
     source, destination = (healthy, frozen) if direction == "into" else (frozen, healthy)
     flow = factories.workflow(source)
-    fence.transition_community(frozen.id, "fenced")
+    factories.move_to(frozen.id, "fenced")
     with pytest.raises(DatabaseError) as caught, transaction.atomic(), connection.cursor() as c:
         c.execute("UPDATE workflows SET community_id = %s WHERE id = %s", [destination.id, flow.id])
     assert str(frozen.id) in str(caught.value)
@@ -114,7 +114,7 @@ def test_executor_authority_ends_with_its_block(db):
 def test_executor_with_a_stale_generation_is_refused(db):
     step = fenced_step("quiescing")
     stale = Community.objects.get(pk=step.community.pk).deletion_fence_generation
-    fence.transition_community(step.community.id, "fenced")
+    factories.move_to(step.community.id, "fenced")
     with pytest.raises(StaleFenceGeneration), fence.executor_writes(step.community.id, stale):
         pytest.fail("a stale executor must not get to write")
 
@@ -122,7 +122,7 @@ def test_executor_with_a_stale_generation_is_refused(db):
 def test_stale_generation_presented_by_raw_sql_is_refused(db):
     step = fenced_step("quiescing")
     stale = Community.objects.get(pk=step.community.pk).deletion_fence_generation
-    fence.transition_community(step.community.id, "fenced")
+    factories.move_to(step.community.id, "fenced")
     with pytest.raises(DatabaseError), transaction.atomic(), connection.cursor() as c:
         c.execute(
             "SELECT set_config('workflow_delivery.executor_community', %s, true), "
@@ -140,12 +140,12 @@ def test_executor_purges_a_fenced_tenant(db):
     assert deleted["workflow_agent_deliveries"] == 2
     assert deleted["events"] == 1
     assert not WorkflowAgentDelivery.objects.filter(community=step.community).exists()
-    fence.transition_community(step.community.id, "tombstone")
+    factories.move_to(step.community.id, "tombstone")
 
 
 def test_tombstone_cannot_be_reverted(db):
     owner = factories.community()
-    fence.transition_community(owner.id, "tombstone")
+    factories.move_to(owner.id, "tombstone")
     for state in ["active", "quiescing", "fenced"]:
         with pytest.raises(InvalidLifecycleTransition):
             fence.transition_community(owner.id, state)
@@ -157,7 +157,7 @@ def test_tombstone_cannot_be_reverted(db):
 
 def test_tombstone_cannot_be_deleted(db):
     owner = factories.community()
-    fence.transition_community(owner.id, "tombstone")
+    factories.move_to(owner.id, "tombstone")
     with pytest.raises(DatabaseError) as caught, transaction.atomic(), connection.cursor() as c:
         c.execute("DELETE FROM communities WHERE id = %s", [owner.id])
     assert caught.value.__cause__.diag.constraint_name == "wd_community_tombstone_permanent"
@@ -166,7 +166,7 @@ def test_tombstone_cannot_be_deleted(db):
 
 def test_fenced_community_cannot_go_back_to_active(db):
     owner = factories.community()
-    fence.transition_community(owner.id, "fenced")
+    factories.move_to(owner.id, "fenced")
     with pytest.raises(InvalidLifecycleTransition):
         fence.transition_community(owner.id, "active")
 
@@ -180,7 +180,7 @@ def test_quiescing_community_can_be_reactivated(db):
 
 def test_direct_state_update_still_takes_the_fence(db, raw):
     owner = factories.community()
-    raw.execute("UPDATE communities SET deletion_state = 'fenced' WHERE id = %s", [owner.id])
+    raw.execute("UPDATE communities SET deletion_state = 'quiescing' WHERE id = %s", [owner.id])
     owner.refresh_from_db()
     assert owner.deletion_fence_generation == 1
 
@@ -192,7 +192,7 @@ def test_direct_state_update_still_takes_the_fence(db, raw):
 def test_community_write_allowed_only_for_active(db, state, allowed):
     owner = factories.community()
     if state != "active":
-        fence.transition_community(owner.id, state)
+        factories.move_to(owner.id, state)
     assert fence.community_write_allowed(owner.id) is allowed
 
 

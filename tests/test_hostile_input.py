@@ -276,7 +276,7 @@ def test_a_step_id_that_looks_like_sql_is_stored_exactly_as_given(value, db):
 def test_a_fenced_community_with_a_hostile_host_refuses_with_a_clear_error(db):
     host = "'); DROP TABLE communities; -- %s {0} " + "é" * 10_000
     step = factories.Step(owner=factories.community(host=host), targets=2)
-    fence.transition_community(step.community.id, "fenced")
+    factories.move_to(step.community.id, "fenced")
     before = snapshot()
     with pytest.raises(CommunityWriteFenced) as caught:
         services.commit_deliveries(step.community.id, step.created_at, step.new_deliveries())

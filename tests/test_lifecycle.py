@@ -16,7 +16,7 @@ from django.db import DatabaseError, transaction
 from django.test import override_settings
 
 from tests import factories
-from workflow_delivery import fence, services
+from workflow_delivery import services
 from workflow_delivery.conf import app_settings
 from workflow_delivery.exceptions import (
     BindingScopeError,
@@ -52,13 +52,25 @@ def state(delivery_id: uuid.UUID) -> dict:
     return WorkflowAgentDelivery.objects.values(*LEASE_STATE).get(pk=delivery_id)
 
 
+def seconds(count: int) -> timedelta:
+    return timedelta(seconds=count)
+
+
 def every_row() -> list[dict]:
     return list(WorkflowAgentDelivery.objects.order_by("id").values())
 
 
 def db_now(raw) -> datetime:
-    raw.execute("SELECT now()")
+    """The database clock of this statement (lease times are statement times)."""
+    raw.execute("SELECT statement_timestamp()")
     return raw.fetchone()[0]
+
+
+def timed(raw, call, *args, **kwargs):
+    """``call``'s result and the database clock just before and just after it."""
+    before = db_now(raw)
+    result = call(*args, **kwargs)
+    return result, before, db_now(raw)
 
 
 def expire(raw, *delivery_ids: uuid.UUID) -> None:
@@ -220,15 +232,19 @@ def test_failed_commit_rolls_back_the_producers_own_writes(step):
 
 def test_claim_returns_a_lease_and_the_full_record(step, raw):
     first = factories.committed(step)[0]
-    lease, record = services.claim_delivery(
-        str(step.community.id), first.binding.target_pubkey, lease_seconds=90
+    (lease, record), before, after = timed(
+        raw,
+        services.claim_delivery,
+        str(step.community.id),
+        first.binding.target_pubkey,
+        lease_seconds=90,
     )
-    now = db_now(raw)
     assert record.id == first.id
     assert record.binding == first.binding
     assert record.status == DeliveryStatus.CLAIMED
-    assert (record.lease_generation, record.claimed_at, record.finished_at) == (1, now, None)
-    assert record.lease_until == now + timedelta(seconds=90)
+    assert (record.lease_generation, record.finished_at) == (1, None)
+    assert before <= record.claimed_at <= after
+    assert record.lease_until == record.claimed_at + timedelta(seconds=90)
     assert lease == Lease(step.community.id, first.id, step.targets[0], 1, record.lease_until)
     assert services.get_delivery(step.community.id, first.id) == record
 
@@ -371,20 +387,21 @@ def test_lease_default_and_maximum_are_read_on_each_access(step, raw):
     with override_settings(
         WORKFLOW_DELIVERY_DEFAULT_LEASE_SECONDS=17, WORKFLOW_DELIVERY_MAX_LEASE_SECONDS=30
     ):
-        now = db_now(raw)
-        lease, record = claim(step, first)
-        assert record.lease_until == now + timedelta(seconds=17)
-        assert services.renew_delivery(lease, lease_seconds=30) == Renewed(
-            now + timedelta(seconds=30)
-        )
-        assert services.renew_delivery(lease) == Renewed(now + timedelta(seconds=17))
+        (lease, record), before, after = timed(raw, claim, step, first)
+        assert before + seconds(17) <= record.lease_until <= after + seconds(17)
+        renewed, before, after = timed(raw, services.renew_delivery, lease, lease_seconds=30)
+        assert before + seconds(30) <= renewed.lease_until <= after + seconds(30)
+        renewed, before, after = timed(raw, services.renew_delivery, lease)
+        assert before + seconds(17) <= renewed.lease_until <= after + seconds(17)
         with pytest.raises(InvalidLeaseSeconds):
             services.renew_delivery(lease, lease_seconds=31)
         with pytest.raises(InvalidLeaseSeconds):
             claim(step, second, lease_seconds=31)
-    assert held(step, third, lease_seconds=31).lease_until == now + timedelta(seconds=31)
-    default = timedelta(seconds=app_settings.DEFAULT_LEASE_SECONDS)
-    assert held(step, second).lease_until == now + default
+    longest, before, after = timed(raw, held, step, third, lease_seconds=31)
+    assert before + seconds(31) <= longest.lease_until <= after + seconds(31)
+    default = seconds(app_settings.DEFAULT_LEASE_SECONDS)
+    usual, before, after = timed(raw, held, step, second)
+    assert before + default <= usual.lease_until <= after + default
 
 
 # --- renew and finish --------------------------------------------------------------------
@@ -393,8 +410,8 @@ def test_lease_default_and_maximum_are_read_on_each_access(step, raw):
 def test_renew_moves_the_lease_end_by_the_database_clock(step, raw):
     factories.committed(step)
     lease = held(step, lease_seconds=5)
-    renewed = services.renew_delivery(lease, lease_seconds=300)
-    assert renewed == Renewed(db_now(raw) + timedelta(seconds=300))
+    renewed, before, after = timed(raw, services.renew_delivery, lease, lease_seconds=300)
+    assert before + seconds(300) <= renewed.lease_until <= after + seconds(300)
     assert state(lease.delivery_id)["lease_until"] == renewed.lease_until
     assert state(lease.delivery_id)["lease_generation"] == lease.generation
 
@@ -432,18 +449,18 @@ def test_expired_lease_cannot_renew_or_finish_even_before_the_reaper(step, raw):
     assert before["status"] == "claimed"
 
 
-def test_lease_ending_exactly_now_is_still_held_and_not_reaped(step, raw):
-    """The holder may act while ``lease_until >= now()``; the reaper only once it is past."""
+def test_lease_still_running_by_the_statement_clock_is_held_and_not_reaped(step, raw):
+    """The holder may act while ``lease_until >= statement_timestamp()``; the reaper
+    only once it is past, by the clock of the statement that asks."""
     factories.committed(step)
     lease = held(step)
     raw.execute(
-        "UPDATE workflow_agent_deliveries SET lease_until = now() WHERE id = %s",
+        "UPDATE workflow_agent_deliveries SET lease_until = statement_timestamp() "
+        "+ interval '2 seconds' WHERE id = %s",
         [lease.delivery_id],
     )
     assert services.reap_expired_deliveries() == 0
-    assert services.renew_delivery(lease, lease_seconds=1) == Renewed(
-        db_now(raw) + timedelta(seconds=1)
-    )
+    assert isinstance(services.renew_delivery(lease, lease_seconds=1), Renewed)
 
 
 def test_finish_refuses_an_unknown_outcome(step):
@@ -461,15 +478,17 @@ def test_finish_is_terminal_once_and_a_retry_reports_the_recorded_status(step, r
     """Invariant 6: a retry converges on the recorded outcome and never flips it."""
     factories.committed(step)
     lease = held(step)
-    assert services.finish_delivery(lease, outcome) == Settled(outcome)
+    result, before, after = timed(raw, services.finish_delivery, lease, outcome)
+    assert result == Settled(outcome)
     settled = state(lease.delivery_id)
+    assert before <= settled.pop("finished_at") <= after
     assert settled == {
         "status": outcome.value,
         "lease_generation": lease.generation,
         "lease_until": None,
         "claimed_at": None,
-        "finished_at": db_now(raw),
     }
+    settled = state(lease.delivery_id)
     recorded = AlreadyTerminal(DeliveryStatus(outcome.value))
     for attempt in Outcome:
         assert services.finish_delivery(lease, attempt) == recorded
@@ -527,7 +546,7 @@ def test_reaper_skips_a_non_active_community_and_reclaims_healthy_ones(raw, dele
     factories.committed(frozen)
     healthy_lease, frozen_lease = held(healthy), held(frozen)
     expire(raw, healthy_lease.delivery_id, frozen_lease.delivery_id)
-    fence.transition_community(frozen.community.id, deletion_state)
+    factories.move_to(frozen.community.id, deletion_state)
     before = state(frozen_lease.delivery_id)
     assert services.reap_expired_deliveries() == 1
     assert state(healthy_lease.delivery_id)["status"] == "pending"
@@ -545,7 +564,7 @@ def test_reaper_skips_a_non_active_community_and_reclaims_healthy_ones(raw, dele
 def test_service_writes_to_a_fenced_community_are_refused(step):
     factories.committed(step)
     lease = held(step)
-    fence.transition_community(step.community.id, "fenced")
+    factories.move_to(step.community.id, "fenced")
     before = every_row()
     attempts = [
         lambda: services.renew_delivery(lease),

@@ -32,7 +32,8 @@ def test_claim_and_finish_are_prepared_with_a_literal_pending(db):
     assert claim, statements
     # A literal lets the generic plan use the partial claim index.
     assert "= ('pending')" in claim[0]
-    assert any("SET status = $1, finished_at = now()" in text for text in statements)
+    settle = "SET status = $1, finished_at = statement_timestamp()"
+    assert any(settle in text for text in statements)
 
 
 def test_prepared_statements_bypass_django_query_capture(db):
@@ -49,7 +50,7 @@ def test_setting_off_runs_through_djangos_cursor(db):
         assert cycle(step) == Settled(Outcome.FINISHED)
     sql = [query["sql"] for query in captured.captured_queries]
     assert any("SKIP LOCKED" in text for text in sql)
-    assert any("finished_at = now()" in text for text in sql)
+    assert any("finished_at = statement_timestamp()" in text for text in sql)
 
 
 @pytest.mark.parametrize("prepared", [True, False])

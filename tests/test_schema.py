@@ -408,8 +408,8 @@ def test_partial_indexes_have_their_predicates(db, raw):
     claim_def, claim_pred = indexes["wd_delivery_claim_idx"]
     assert "(community_id, target_pubkey, created_at)" in claim_def
     assert claim_pred == "(status = 'pending'::text)"
-    reap_def, reap_pred = indexes["wd_delivery_reap_idx"]
-    assert "(lease_until)" in reap_def
+    reap_def, reap_pred = indexes["wd_delivery_reap_community_idx"]
+    assert "(community_id, lease_until)" in reap_def
     assert reap_pred == "(status = 'claimed'::text)"
 
 

@@ -14,12 +14,16 @@ from functools import reduce
 from typing import Any
 
 from django.contrib import admin, messages
+from django.contrib.admin import helpers
 from django.contrib.admin.models import CHANGE, LogEntry
+from django.contrib.admin.options import IncorrectLookupParameters
 from django.contrib.admin.utils import flatten_fieldsets, quote
 from django.contrib.admin.views.main import ChangeList
 from django.contrib.contenttypes.models import ContentType
+from django.core.exceptions import ValidationError
+from django.db import DataError, transaction
 from django.db.models import Model, Q, QuerySet
-from django.http import HttpRequest, HttpResponse
+from django.http import HttpRequest, HttpResponse, HttpResponseBadRequest
 from django.urls import reverse
 from django.utils import timezone
 from django.utils.dateformat import format as date_format
@@ -40,6 +44,11 @@ from .protocol import CauseKind
 
 HEX64 = re.compile(r"[0-9a-fA-F]{64}")
 SHORT_HEX = 12
+# The most rows one action request acts on (and logs): a larger selection, "select
+# all" included, is refused with a message rather than run inside one request.
+MAX_ACTION_ROWS = 1000
+# The reap action's bound: at most this many batches, flat out (no rests), per request.
+REAP_ACTION_BATCHES = 10
 
 
 def _hex(value: bytes | memoryview) -> str:
@@ -84,6 +93,23 @@ def time_field(name: str) -> Callable[[Model], object]:
     return shown_as(name, _when, ordering=name)
 
 
+class GuardedChangeList(ChangeList):
+    """A list whose lookups the database or driver refuses (a NUL in text, a malformed
+    regex, a JSON key with a NUL, text for a bytes key) answers with the admin's own
+    "invalid lookup" redirect instead of a 500: the page's queries run here, in a
+    savepoint, and such an error becomes IncorrectLookupParameters."""
+
+    def get_results(self, request: HttpRequest) -> None:
+        try:
+            with transaction.atomic(using=self.queryset.db):
+                super().get_results(request)
+                self.result_list = list(self.result_list)
+        # TypeError: the driver refusing a value of the wrong kind for the column (text
+        # for a bytea key), before the database sees it.
+        except (DataError, TypeError, ValueError, ValidationError) as exc:
+            raise IncorrectLookupParameters(exc) from exc
+
+
 class ReadOnlyAdmin(admin.ModelAdmin):
     """View permission only: no add, change or delete through the admin, ever.
     Every entry of ``fields``/``fieldsets`` is shown read-only."""
@@ -91,6 +117,33 @@ class ReadOnlyAdmin(admin.ModelAdmin):
     view_on_site = False
     hex_search_fields: tuple[str, ...] = ()
     uuid_search_fields: tuple[str, ...] = ()
+
+    def get_changelist(self, request: HttpRequest, **kwargs: Any) -> type[ChangeList]:
+        return GuardedChangeList
+
+    def response_action(self, request: HttpRequest, queryset: QuerySet) -> HttpResponse | None:
+        """Refuse an action request that names something other than a key (400) or
+        more rows than one request acts on (a message, nothing done)."""
+        selected = request.POST.getlist(helpers.ACTION_CHECKBOX_NAME)
+        for value in selected:
+            try:
+                self.model._meta.pk.to_python(value)
+            except ValidationError:
+                return HttpResponseBadRequest(
+                    f"{helpers.ACTION_CHECKBOX_NAME}: {value[:40]!r} is not a "
+                    f"{self.model._meta.verbose_name} key"
+                )
+        across = request.POST.get("select_across") not in (None, "", "0")
+        count = queryset.count() if across else len(selected)
+        if count > MAX_ACTION_ROWS:
+            self.message_user(
+                request,
+                f"An action acts on at most {MAX_ACTION_ROWS} rows per request; "
+                f"{count} were selected. Narrow the list with its filters. Nothing was done.",
+                messages.ERROR,
+            )
+            return None
+        return super().response_action(request, queryset)
 
     def has_add_permission(self, request: HttpRequest, obj: Model | None = None) -> bool:
         return False
@@ -203,7 +256,9 @@ class CommunityAdmin(ReadOnlyAdmin):
         moved = []
         for community in queryset.filter(deletion_state=source):
             try:
-                fence.transition_community(community.pk, target)
+                # The state this page read, checked under the executor's lock: a row
+                # moved on (or back) meanwhile is skipped, never moved from elsewhere.
+                fence.transition_community(community.pk, target, expected=source)
             except (InvalidLifecycleTransition, CommunityNotFound):
                 continue  # moved on by someone else since the page was read
             moved.append(community)
@@ -291,7 +346,7 @@ class WorkflowRunAdmin(ReadOnlyAdmin):
     ]
 
 
-class HexKeyChangeList(ChangeList):
+class HexKeyChangeList(GuardedChangeList):
     """Links rows whose primary key is bytes by the hex form of the key."""
 
     def url_for_result(self, result: Model) -> str:
@@ -465,7 +520,14 @@ class DeliveryAdmin(ReadOnlyAdmin):
         description="Reap every expired lease now (all communities, not only the selected)",
     )
     def reap_expired_leases(self, request: HttpRequest, queryset: QuerySet) -> None:
-        reclaimed = services.reap_expired_deliveries()
+        # Bounded inside the HTTP request: a few batches flat out, never the rests of a
+        # full sweep; the reap_deliveries command or loop does the rest.
+        batches = []
+        reclaimed = services.reap_expired_deliveries(
+            yield_ratio=0,
+            on_batch=lambda count, seconds: batches.append(count),
+            should_stop=lambda: len(batches) >= REAP_ACTION_BATCHES,
+        )
         skipped = WorkflowAgentDelivery.objects.expired_leases().in_fenced_communities().count()
         _log_operator_change(
             request,

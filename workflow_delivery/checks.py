@@ -7,7 +7,7 @@ from typing import Any
 from django.core import checks
 from django.db import connections
 
-from .conf import app_settings, is_number, is_whole_number, is_yield_ratio
+from .conf import LEASE_SECONDS_BOUND, app_settings, is_number, is_whole_number, is_yield_ratio
 
 E001_MSG = "workflow_delivery needs PostgreSQL: database {alias!r} uses the {vendor!r} backend."
 E001_HINT = "Point this database at PostgreSQL 13 or newer (django.db.backends.postgresql)."
@@ -16,8 +16,14 @@ E003_MSG = (
     "WORKFLOW_DELIVERY_DEFAULT_LEASE_SECONDS ({default}) exceeds "
     "WORKFLOW_DELIVERY_MAX_LEASE_SECONDS ({maximum})."
 )
-E004_MSG = "WORKFLOW_DELIVERY_REAP_INTERVAL_SECONDS must be a positive number, got {value!r}."
+E004_MSG = (
+    "WORKFLOW_DELIVERY_REAP_INTERVAL_SECONDS must be a positive finite number, got {value!r}."
+)
 E005_MSG = "WORKFLOW_DELIVERY_REAP_YIELD_RATIO must be a number from 0 to 100, got {value!r}."
+E006_MSG = (
+    "WORKFLOW_DELIVERY_MAX_LEASE_SECONDS ({value}) exceeds {bound} (10 years), the longest "
+    "lease the app hands out: a lease end must stay far inside PostgreSQL's timestamp range."
+)
 
 
 def _positive_int(value: Any) -> bool:
@@ -51,6 +57,13 @@ def check_settings(app_configs: Any = None, **kwargs: Any) -> list:
                 checks.Error(E002_MSG.format(name=name, value=value), id="workflow_delivery.E002")
             )
     default, maximum = app_settings.DEFAULT_LEASE_SECONDS, app_settings.MAX_LEASE_SECONDS
+    if _positive_int(maximum) and maximum > LEASE_SECONDS_BOUND:
+        errors.append(
+            checks.Error(
+                E006_MSG.format(value=maximum, bound=LEASE_SECONDS_BOUND),
+                id="workflow_delivery.E006",
+            )
+        )
     if _positive_int(default) and _positive_int(maximum) and default > maximum:
         errors.append(
             checks.Error(

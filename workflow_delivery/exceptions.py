@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from uuid import UUID
+
 from django.core.exceptions import ImproperlyConfigured
 
 
@@ -48,8 +50,26 @@ class ConstraintViolation(WorkflowDeliveryError, ValueError):
 class CommunityWriteFenced(WorkflowDeliveryError):
     """A write to a community that is not active was refused by the write fence."""
 
-    def __init__(self, message: str, community_id: str | None = None) -> None:
+    def __init__(self, message: str, community_id: UUID | None = None) -> None:
         self.community_id = community_id
+        super().__init__(message)
+
+
+class StepMessageConflict(ProtocolError):
+    """A commit whose message event differs from the one the step's deliveries carry."""
+
+
+class StepIdentityClosed(WorkflowDeliveryError, RuntimeError):
+    """``StepIdentity.commit`` called after its ``delivery_identity`` block closed."""
+
+
+class DeliveryTimeout(WorkflowDeliveryError):
+    """A statement cancelled by ``lock_timeout`` (55P03) or ``statement_timeout``
+    (57014). The session is intact; the caller decides whether to retry. Never a lost
+    connection: ``sqlstate`` says which it was."""
+
+    def __init__(self, message: str, sqlstate: str | None = None) -> None:
+        self.sqlstate = sqlstate
         super().__init__(message)
 
 
@@ -59,6 +79,10 @@ class CommunityNotFound(WorkflowDeliveryError, LookupError):
 
 class InvalidLifecycleTransition(WorkflowDeliveryError, ValueError):
     """A community lifecycle move that the rules forbid (a tombstone is permanent)."""
+
+
+class UnexpectedCommunityState(InvalidLifecycleTransition):
+    """The community is not in the state the caller read (someone moved it since)."""
 
 
 class StaleFenceGeneration(WorkflowDeliveryError):

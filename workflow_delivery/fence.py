@@ -21,6 +21,7 @@ from .exceptions import (
     InvalidLifecycleTransition,
     ProtocolError,
     StaleFenceGeneration,
+    UnexpectedCommunityState,
 )
 from .models import DeletionState
 from .protocol import as_uuid
@@ -46,20 +47,35 @@ def _lock_exclusive(cursor, community_id: UUID) -> tuple[DeletionState, int]:
 
 
 def transition_community(
-    community_id: UUID | str, to_state: str, *, using: str = DEFAULT_DB_ALIAS
+    community_id: UUID | str,
+    to_state: str,
+    *,
+    expected: str | None = None,
+    using: str = DEFAULT_DB_ALIAS,
 ) -> int:
-    """Move a community through ``active → quiescing → fenced → tombstone`` as the
-    deletion executor and return the new fence generation. A quiescing community may
-    return to active (deletion cancelled); a tombstone is permanent. The database's
-    lifecycle trigger is the judge; a move it refuses raises InvalidLifecycleTransition."""
+    """Move a community one step through ``active → quiescing → fenced → tombstone``
+    as the deletion executor and return the new fence generation. A quiescing
+    community may return to active (deletion cancelled); a tombstone is permanent.
+    The database's lifecycle trigger is the judge; a move it refuses (a skipped step
+    included) raises InvalidLifecycleTransition.
+
+    ``expected`` is the state the caller read: checked under the exclusive lock, so
+    a community moved by someone else since is not moved on from a state the caller
+    never saw (``UnexpectedCommunityState``, nothing changed)."""
     community_id = as_uuid("community_id", community_id)
     target = _state(to_state)
+    source = None if expected is None else _state(expected)
     with (
         transaction.atomic(using=using),
         sql.database_errors(),
         connections[using].cursor() as cursor,
     ):
         current, generation = _lock_exclusive(cursor, community_id)
+        if source is not None and current != source:
+            raise UnexpectedCommunityState(
+                f"community {community_id} is {current}, not {source} as expected: "
+                f"not moved to {target}"
+            )
         if current == target:
             return generation
         cursor.execute(sql.SET_COMMUNITY_STATE, [target.value, str(community_id)])

@@ -19,6 +19,16 @@ from django.db.models.lookups import Exact, GreaterThanOrEqual, LessThanOrEqual
 from .protocol import CauseKind, DeliveryStatus
 
 NIL_UUID = uuid.UUID(int=0)
+
+
+class StatementTimestamp(models.Func):
+    """The statement's start by the database clock: a lease is judged by the clock of
+    the statement that asks, not by the start of the caller's (maybe long) transaction."""
+
+    template = "statement_timestamp()"
+    output_field = models.DateTimeField()
+
+
 CAUSE_KINDS = [kind.value for kind in CauseKind]
 STATUSES = [status.value for status in DeliveryStatus]
 PENDING, CLAIMED = DeliveryStatus.PENDING.value, DeliveryStatus.CLAIMED.value
@@ -201,7 +211,7 @@ class DeliveryQuerySet(models.QuerySet):
 
     def expired_leases(self) -> DeliveryQuerySet:
         """Claimed rows whose lease has run out by the database clock."""
-        return self.filter(status=CLAIMED, lease_until__lt=TransactionNow())
+        return self.filter(status=CLAIMED, lease_until__lt=StatementTimestamp())
 
     def in_active_communities(self) -> DeliveryQuerySet:
         return self.filter(community__deletion_state=DeletionState.ACTIVE)
@@ -317,10 +327,12 @@ class WorkflowAgentDelivery(models.Model):
                 condition=Q(status=PENDING),
                 name="wd_delivery_claim_idx",
             ),
+            # Per community, so the reaper reads only the expired rows of the communities
+            # it reclaims, never the rows parked in a tenant that is not active.
             models.Index(
-                fields=["lease_until"],
+                fields=["community", "lease_until"],
                 condition=Q(status=CLAIMED),
-                name="wd_delivery_reap_idx",
+                name="wd_delivery_reap_community_idx",
             ),
             models.Index(fields=["community", "workflow"], name="wd_delivery_workflow_idx"),
             models.Index(

@@ -55,6 +55,7 @@ STEP_ID_MAX_LENGTH = 64
 Tags: TypeAlias = list[list[str]]
 
 _HEX32 = re.compile(r"[0-9a-f]{64}")
+_BIGINT_MAX = 2**63 - 1
 
 
 def _uuid(field: str, value: object) -> UUID:
@@ -270,6 +271,19 @@ class Lease:
     target_pubkey: bytes
     generation: int
     lease_until: datetime
+
+    def __post_init__(self) -> None:
+        # Checked like every other input, so a forged or mangled lease is a clear
+        # error here instead of a raw DataError from the database.
+        object.__setattr__(self, "community_id", _uuid("community_id", self.community_id))
+        object.__setattr__(self, "delivery_id", _uuid("delivery_id", self.delivery_id))
+        object.__setattr__(self, "target_pubkey", _bytes32("target_pubkey", self.target_pubkey))
+        generation = self.generation
+        if not (isinstance(generation, int) and not isinstance(generation, bool)):
+            raise ProtocolError("generation", f"must be a whole number, not {generation!r}")
+        if not 0 <= generation <= _BIGINT_MAX:
+            raise ProtocolError("generation", f"must be between 0 and {_BIGINT_MAX}")
+        object.__setattr__(self, "lease_until", as_datetime("lease_until", self.lease_until))
 
 
 @dataclass(frozen=True, slots=True)

@@ -17,25 +17,19 @@ from dataclasses import dataclass, field
 from types import FrameType
 
 from django.core.management.base import CommandError
-from django.db import (
-    DEFAULT_DB_ALIAS,
-    InterfaceError,
-    OperationalError,
-    close_old_connections,
-    connections,
-)
+from django.db import DEFAULT_DB_ALIAS, close_old_connections, connections
 from django.db.models import Count
 
 from . import services
 from .conf import is_number, is_whole_number
+from .errors import is_connection_lost
+from .exceptions import DeliveryTimeout
 from .models import WorkflowAgentDelivery
 
 logger = logging.getLogger("workflow_delivery.reaper")
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 VERBOSITY_LEVELS = {0: logging.WARNING, 1: logging.INFO}
-# Errors of a connection that went away; anything else is a bug and ends the loop.
-CONNECTION_ERRORS = (OperationalError, InterfaceError)
 
 
 class StopRequest:
@@ -115,6 +109,9 @@ class Sweep:
     seconds: float
     dry_run: bool = False
     by_community: dict[str, int] = field(default_factory=dict)
+    # Active tenants skipped because their deletion lock was taken (a transition or
+    # purge in progress): the sweep does not wait for them, the next one retries.
+    skipped_locked: int = 0
 
     def log_line(self) -> str:
         parts = {
@@ -123,6 +120,7 @@ class Sweep:
             "skipped_inactive": self.skipped_inactive,
             "batches": self.batches,
             "seconds": f"{self.seconds:.3f}",
+            "skipped_locked": self.skipped_locked,
         }
         return " ".join(f"{key}={value}" for key, value in parts.items())
 
@@ -176,12 +174,16 @@ class Reaper:
         else:
             by_community = {}
             batch_counts: list[int] = []
+            locked: set = set()
             reclaimed = services.reap_expired_deliveries(
                 batch_size=self.batch_size,
                 on_batch=lambda count, seconds: self._on_batch(batch_counts, count, seconds),
                 should_stop=(lambda: bool(stop)) if stop is not None else None,
+                on_locked=locked.update,
                 using=self.using,
             )
+            for community_id in sorted(locked, key=str):
+                logger.info("skipped community=%s reason=deletion_lock_taken", community_id)
             batches = len(batch_counts)
         skipped = self._expired().in_fenced_communities().count()
         return Sweep(
@@ -192,6 +194,7 @@ class Reaper:
             seconds=time.monotonic() - started,
             dry_run=self.dry_run,
             by_community=by_community,
+            skipped_locked=0 if self.dry_run else len(locked),
         )
 
     @staticmethod
@@ -217,7 +220,17 @@ class Reaper:
             close_old_connections()
             try:
                 result = self.sweep(number, stop)
-            except CONNECTION_ERRORS:
+            except DeliveryTimeout as exc:
+                # A lock_timeout or statement_timeout cancelled a batch; the session is
+                # fine and the next pass retries on it.
+                failed += 1
+                logger.warning("sweep=%s error=timeout sqlstate=%s", number, exc.sqlstate)
+                pause = interval
+            except Exception as exc:
+                # Only a lost session (errors.is_connection_lost: class 08, 57P01-57P03,
+                # 25P03) is retried on a fresh connection; anything else is a bug.
+                if not is_connection_lost(exc):
+                    raise
                 failed += 1
                 backoff = min(self.max_backoff, backoff * 2 or 0.5)
                 logger.exception(
@@ -238,5 +251,7 @@ class Reaper:
         # The next pass reconnects; closing a dead connection may itself fail.
         try:
             connections[self.using].close()
-        except CONNECTION_ERRORS:
+        except Exception as exc:
+            if not is_connection_lost(exc):
+                raise
             logger.debug("closing the broken connection failed", exc_info=True)

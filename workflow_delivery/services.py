@@ -16,8 +16,8 @@ from uuid import UUID
 from django.db import DEFAULT_DB_ALIAS, transaction
 
 from . import db, sql
-from .conf import app_settings, is_whole_number, is_yield_ratio
-from .exceptions import BindingScopeError, InvalidLeaseSeconds, ProtocolError
+from .conf import LEASE_SECONDS_BOUND, app_settings, is_whole_number, is_yield_ratio
+from .exceptions import BindingScopeError, InvalidLeaseSeconds, ProtocolError, StepIdentityClosed
 from .models import WorkflowAgentDelivery
 from .protocol import (
     AlreadyTerminal,
@@ -51,7 +51,9 @@ __all__ = [
 
 
 def _lease_seconds(value: object) -> int:
-    maximum = app_settings.MAX_LEASE_SECONDS
+    # Bounded whatever the setting says (the system check reports a larger one), so a
+    # lease end can never overflow the database's timestamp range.
+    maximum = min(app_settings.MAX_LEASE_SECONDS, LEASE_SECONDS_BOUND)
     if value is None:
         value = app_settings.DEFAULT_LEASE_SECONDS
     if not is_whole_number(value):
@@ -96,6 +98,7 @@ class StepIdentity:
         self.step_id = step_id
         self.exists = exists
         self._using = using
+        self._open = True
 
     def __repr__(self) -> str:
         return (
@@ -138,35 +141,46 @@ class StepIdentity:
 
     def _values(
         self, message_event_created_at: datetime, batch: list[NewDelivery]
-    ) -> tuple[int, list[object]]:
-        """The insert's parameters for a batch checked by ``_new_deliveries``."""
+    ) -> list[list[object]]:
+        """The insert's parameters for a batch checked by ``_new_deliveries``: one
+        list per column (``sql.INSERT_DELIVERIES`` unnests them into rows, in order)."""
         created_at = as_datetime("message_event_created_at", message_event_created_at)
         self._validate(batch)
-        params: list[object] = []
+        rows = []
         for item in batch:
             b = item.binding
-            params += [
-                item.id,
-                b.community_id,
-                b.workflow_id,
-                b.run_id,
-                b.step_id,
-                b.target_pubkey,
-                b.definition_event_id,
-                b.message_event_id,
-                created_at,
-                *db.cause_columns(b),
-            ]
-        return len(batch), params
+            rows.append(
+                [
+                    item.id,
+                    b.community_id,
+                    b.workflow_id,
+                    b.run_id,
+                    b.step_id,
+                    b.target_pubkey,
+                    b.definition_event_id,
+                    b.message_event_id,
+                    created_at,
+                    *db.cause_columns(b),
+                ]
+            )
+        return [list(column) for column in zip(*rows, strict=True)]
 
     def commit(
         self, message_event_created_at: datetime, deliveries: Iterable[NewDelivery]
     ) -> list[UUID]:
         """Insert the step's deliveries at once; return the ids actually created.
-        An existing (community, run, step, target) is skipped, so a retry creates nothing."""
-        count, params = self._values(message_event_created_at, _new_deliveries(deliveries))
+        An existing (community, run, step, target) is skipped, so a retry creates nothing.
+        A message other than the one the step's deliveries carry is refused
+        (``StepMessageConflict``) and nothing is written."""
+        if not self._open:
+            # After the block the identity lock is released (and the transaction may
+            # be autocommit): an insert now would skip the very check the lock gives.
+            raise StepIdentityClosed(
+                f"{self!r}: its delivery_identity block has closed; commit inside the block"
+            )
+        params = self._values(message_event_created_at, _new_deliveries(deliveries))
         with db.cursor(self._using, savepoint=False) as cursor:
-            cursor.execute(_producer_statement(sql.insert_deliveries(count)), params)
+            cursor.execute(_producer_statement(sql.INSERT_DELIVERIES), params)
             created = [row[0] for row in cursor.fetchall()]
         if created:
             self.exists = True
@@ -193,7 +207,11 @@ def delivery_identity(
             cursor.execute(sql.LOCK_STEP_IDENTITY, [str(community_id), str(run_id), step_id])
             cursor.execute(sql.STEP_EXISTS, [community_id, run_id, step_id])
             exists = bool(cursor.fetchone()[0])
-        yield StepIdentity(community_id, run_id, step_id, exists, using)
+        identity = StepIdentity(community_id, run_id, step_id, exists, using)
+        try:
+            yield identity
+        finally:
+            identity._open = False
 
 
 def commit_deliveries(
@@ -209,12 +227,12 @@ def commit_deliveries(
     identity = StepIdentity(
         as_uuid("community_id", community_id), first.run_id, first.step_id, False, using
     )
-    count, params = identity._values(message_event_created_at, batch)
+    params = identity._values(message_event_created_at, batch)
     lock = [str(identity.community_id), str(identity.run_id), identity.step_id]
     # One statement takes the step's identity lock and inserts every row: in
     # autocommit it is its own transaction (all rows or none), else the caller's.
     with db.cursor(using) as cursor:
-        statement = _producer_statement(sql.lock_and_insert_deliveries(count))
+        statement = _producer_statement(sql.LOCK_AND_INSERT_DELIVERIES)
         cursor.execute(statement, [*lock, *params])
         return [row[0] for row in cursor.fetchall()]
 
@@ -334,6 +352,7 @@ def reap_expired_deliveries(
     yield_ratio: float | None = None,
     on_batch: Callable[[int, float], None] | None = None,
     should_stop: Callable[[], bool] | None = None,
+    on_locked: Callable[[list[UUID]], None] | None = None,
     using: str = DEFAULT_DB_ALIAS,
 ) -> int:
     """Return every expired lease of every active community to pending, bumping its
@@ -343,7 +362,11 @@ def reap_expired_deliveries(
     took (default ``WORKFLOW_DELIVERY_REAP_YIELD_RATIO``), so a large backlog leaves
     the database to live holders part of the time; 0 sweeps flat out.
     ``on_batch(count, seconds)`` observes each batch; ``should_stop()`` ends the sweep
-    between batches."""
+    between batches.
+
+    The sweep never waits on a tenant: a community whose deletion lock is held or
+    queued for (a transition or purge in progress) is skipped for this batch, and
+    ``on_locked(ids)`` is told which were skipped (only when some were)."""
     size = app_settings.REAP_BATCH_SIZE if batch_size is None else batch_size
     if not (is_whole_number(size) and size >= 1):
         raise ProtocolError("batch_size", f"must be a positive whole number, not {size!r}")
@@ -356,8 +379,10 @@ def reap_expired_deliveries(
         # Each batch is its own short transaction (unless the caller holds one), so a
         # sweep never holds more than ``size`` row locks at once.
         with db.cursor(using) as cursor:
-            cursor.execute(sql.REAP_BATCH, [size])
-            count = len(cursor.fetchall())
+            cursor.execute(sql.REAP_BATCH, [size, size, size])
+            count, locked = cursor.fetchone()
+        if locked and on_locked is not None:
+            on_locked(list(locked))
         elapsed = time.monotonic() - started
         total += count
         if on_batch is not None:
@@ -391,7 +416,7 @@ def _operator_update(
     if not ids:
         return []
     with db.cursor(using) as cursor:
-        cursor.execute(statement, [community_id, ids])
+        cursor.execute(statement, [community_id, community_id, community_id, ids])
         return [row[0] for row in cursor.fetchall()]
 
 

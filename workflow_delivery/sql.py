@@ -8,20 +8,25 @@ parameters.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
 from contextlib import contextmanager
 from functools import lru_cache
+from uuid import UUID
 
 from django.db import Error as DatabaseError
 from django.db import connection
 
+from . import errors
 from .exceptions import (
     CommunityWriteFenced,
     ConstraintViolation,
     DeliveryConflict,
+    DeliveryTimeout,
     InvalidLifecycleTransition,
     IsolationLevelError,
     ReferenceMissing,
+    StepMessageConflict,
 )
 from .models import Community, Event, Workflow, WorkflowAgentDelivery, WorkflowRun
 from .wakeups import WAKE_CHANNEL
@@ -59,8 +64,14 @@ _WRITTEN_TYPES = ["uuid", "uuid", "uuid", "uuid", "text", "bytea", "bytea", "byt
 _WRITTEN_TYPES += ["timestamptz", "text", "bytea", "timestamptz", "uuid"]
 _INSERT_TYPES = dict(zip(RECORD_COLUMNS[: len(_WRITTEN_TYPES)], _WRITTEN_TYPES, strict=True))
 _INSERT_COLUMNS = ", ".join(_q(column) for column in _INSERT_TYPES)
-# Typed placeholders: a VALUES list feeding INSERT … SELECT has no target to infer from.
-_INSERT_ROW = "(" + ", ".join(f"%s::{kind}" for kind in _INSERT_TYPES.values()) + ")"
+# One array parameter per column, unnested into rows: any number of deliveries binds
+# 13 parameters, so one prepared statement serves every step size and no step runs
+# into PostgreSQL's limit of 65,535 bind parameters.
+_INSERT_ROWS = (
+    "SELECT * FROM unnest("
+    + ", ".join(f"%s::{kind}[]" for kind in _INSERT_TYPES.values())
+    + f") AS v ({_INSERT_COLUMNS})"
+)
 
 # Identity lock of one (community, run, step): producers of the same step queue
 # here, so the "already exists?" answer stays true until the commit lands.
@@ -86,23 +97,17 @@ _ON_CONFLICT = (
 )
 
 
-@lru_cache(maxsize=64)
-def insert_deliveries(count: int) -> str:
-    """One multi-row insert of ``count`` deliveries; an existing identity is skipped."""
-    rows = ", ".join([_INSERT_ROW] * count)
-    return f"INSERT INTO {DELIVERIES} ({_INSERT_COLUMNS}) VALUES {rows} {_ON_CONFLICT}"
+# The insert of a step's deliveries, one array per column (``db.insert_columns``);
+# an existing identity is skipped.
+INSERT_DELIVERIES = f"INSERT INTO {DELIVERIES} ({_INSERT_COLUMNS}) {_INSERT_ROWS} {_ON_CONFLICT}"
 
-
-@lru_cache(maxsize=64)
-def lock_and_insert_deliveries(count: int) -> str:
-    """The step's identity lock and the insert of its ``count`` deliveries in one
-    statement, for a producer that does not ask whether the step exists. The lock's
-    CTE is scanned before any row is produced, so no row is written without it."""
-    rows = ", ".join([_INSERT_ROW] * count)
-    return f"""
+# The step's identity lock and the insert of its deliveries in one statement, for a
+# producer that does not ask whether the step exists. The lock's CTE is scanned
+# before any row is produced, so no row is written without it.
+LOCK_AND_INSERT_DELIVERIES = f"""
 WITH step_lock AS MATERIALIZED ({LOCK_STEP_IDENTITY.strip()}::text AS locked)
 INSERT INTO {DELIVERIES} ({_INSERT_COLUMNS})
-SELECT v.* FROM (VALUES {rows}) AS v ({_INSERT_COLUMNS}) CROSS JOIN step_lock
+SELECT v.* FROM ({_INSERT_ROWS}) AS v CROSS JOIN step_lock
 {_ON_CONFLICT}
 """
 
@@ -122,6 +127,11 @@ SELECT created.id, pg_notify('{WAKE_CHANNEL}', {payload}) FROM created
 """
 
 
+# Lease times come from statement_timestamp(), the start of the statement that
+# asks: now() is the start of the caller's transaction, which may be long past, so
+# by now() an expired lease could renew itself or a claim hand out a dead lease.
+
+
 def claim_statement(select_sql: str) -> str:
     """Turn the claim queryset's locking ``SELECT id … FOR UPDATE SKIP LOCKED`` into
     one statement that also marks the winner claimed and returns it."""
@@ -130,8 +140,8 @@ WITH picked AS ({select_sql})
 UPDATE {DELIVERIES} AS d
    SET status = 'claimed',
        lease_generation = d.lease_generation + 1,
-       claimed_at = now(),
-       lease_until = now() + make_interval(secs => %s)
+       claimed_at = statement_timestamp(),
+       lease_until = statement_timestamp() + make_interval(secs => %s)
   FROM picked
  WHERE d.id = picked.id
 RETURNING {_RETURNING}
@@ -144,17 +154,17 @@ _BACK_TO_PENDING = (
     "lease_until = NULL, claimed_at = NULL"
 )
 # The lease fields a terminal row gives up (finish, operator mark failed).
-_SETTLE = "finished_at = now(), lease_until = NULL, claimed_at = NULL"
+_SETTLE = "finished_at = statement_timestamp(), lease_until = NULL, claimed_at = NULL"
 
 # The four conditions of a live lease: claimed, same generation, same target, not expired.
 _LIVE_LEASE = """
   community_id = %s AND id = %s AND target_pubkey = %s AND lease_generation = %s
-  AND status = 'claimed' AND lease_until >= now()
+  AND status = 'claimed' AND lease_until >= statement_timestamp()
 """
 
 RENEW = f"""
 UPDATE {DELIVERIES}
-   SET lease_until = now() + make_interval(secs => %s)
+   SET lease_until = statement_timestamp() + make_interval(secs => %s)
  WHERE {_LIVE_LEASE}
 RETURNING lease_until
 """
@@ -172,40 +182,91 @@ SELECT status FROM {DELIVERIES}
  WHERE community_id = %s AND id = %s AND target_pubkey = %s AND lease_generation = %s
 """
 
-# One bounded batch of the fleet-wide reaper. A tenant that is not active is
-# filtered out inside the statement, so its fence never aborts the sweep; rows a
-# live holder has locked are skipped, not waited for.
+# One bounded batch of the fleet-wide reaper; it never waits on a tenant.
+# 1. ``candidates``: active communities with an expired lease, oldest expiry first,
+#    at most one batch of them (a probe of the reap index each, no row read).
+# 2. ``tried``: the shared deletion lock of each, *tried*: a community whose
+#    exclusive lock is held or queued for (a transition, a purge) is skipped for this
+#    sweep and reported, never waited on.
+# 3. ``open``: the locked ones still active by a fresh look (community_write_allowed,
+#    after the lock, so a transition that committed meanwhile is seen and no row of
+#    a fenced tenant reaches the fence trigger to abort the batch).
+# 4. ``expired``: the oldest expired rows of those communities only, by the reap
+#    index; rows a live holder has locked are skipped, not waited for.
+# Rows parked in a tenant that is not active are never read, so a batch costs what
+# it reclaims. The answer: rows reclaimed, and the ids of the tenants skipped locked.
 REAP_BATCH = f"""
-WITH expired AS (
-    SELECT id FROM {DELIVERIES}
-     WHERE status = 'claimed' AND lease_until < now()
-       AND community_write_allowed(community_id)
-     ORDER BY lease_until
+WITH candidates AS MATERIALIZED (
+    SELECT c.id, e.oldest
+      FROM {COMMUNITIES} AS c
+     CROSS JOIN LATERAL (
+           SELECT r.lease_until AS oldest FROM {DELIVERIES} AS r
+            WHERE r.community_id = c.id AND r.status = 'claimed'
+              AND r.lease_until < statement_timestamp()
+            ORDER BY r.lease_until LIMIT 1
+     ) AS e
+     WHERE c.deletion_state = 'active'
+     ORDER BY e.oldest
      LIMIT %s
-     FOR UPDATE SKIP LOCKED
+),
+tried AS MATERIALIZED (
+    SELECT id, oldest, pg_try_advisory_xact_lock_shared(wd_community_deletion_key(id)) AS locked
+      FROM candidates
+),
+open AS MATERIALIZED (
+    SELECT id FROM tried WHERE CASE WHEN locked THEN community_write_allowed(id) ELSE false END
+),
+expired AS (
+    SELECT d.id FROM {DELIVERIES} AS d
+     WHERE d.id IN (
+           SELECT x.id FROM open
+            CROSS JOIN LATERAL (
+                  SELECT r.id, r.lease_until FROM {DELIVERIES} AS r
+                   WHERE r.community_id = open.id AND r.status = 'claimed'
+                     AND r.lease_until < statement_timestamp()
+                   ORDER BY r.lease_until LIMIT %s
+            ) AS x
+            ORDER BY x.lease_until LIMIT %s
+     )
+       AND d.status = 'claimed' AND d.lease_until < statement_timestamp()
+       FOR UPDATE OF d SKIP LOCKED
+),
+reaped AS (
+    UPDATE {DELIVERIES} AS d
+       SET {_BACK_TO_PENDING}
+      FROM expired
+     WHERE d.id = expired.id
+    RETURNING d.id
 )
-UPDATE {DELIVERIES} AS d
-   SET {_BACK_TO_PENDING}
-  FROM expired
- WHERE d.id = expired.id
-RETURNING d.community_id
+SELECT (SELECT count(*) FROM reaped),
+       ARRAY(SELECT id FROM tried WHERE NOT locked ORDER BY id)
 """
 
+# The operator's statements act on one community; they try its shared deletion lock
+# rather than queue behind a transition or a purge (the action then changes nothing
+# and reports the rows as skipped).
+_OPERABLE = f"""
+WITH operable AS MATERIALIZED (
+    SELECT CASE WHEN pg_try_advisory_xact_lock_shared(wd_community_deletion_key(%s::uuid))
+                THEN community_write_allowed(%s::uuid) ELSE false END AS ok
+)
+UPDATE {DELIVERIES} AS d"""
+
 # An operator's release of chosen claimed rows (admin): back to pending, fence bumped.
-RELEASE = f"""
-UPDATE {DELIVERIES} AS d
+RELEASE = f"""{_OPERABLE}
    SET {_BACK_TO_PENDING}
  WHERE d.community_id = %s AND d.id = ANY(%s) AND d.status = 'claimed'
-   AND community_write_allowed(d.community_id)
+   AND (SELECT ok FROM operable)
 RETURNING d.id
 """
 
-# An operator's terminal for chosen non-terminal rows (admin), recorded as failed.
-MARK_FAILED = f"""
-UPDATE {DELIVERIES} AS d
-   SET status = 'failed', {_SETTLE}
+# An operator's terminal for chosen non-terminal rows (admin), recorded as failed. The
+# generation is bumped too, so a live holder's finish gets LeaseLost rather than an
+# AlreadyTerminal it could mistake for its own earlier settle.
+MARK_FAILED = f"""{_OPERABLE}
+   SET status = 'failed', lease_generation = d.lease_generation + 1, {_SETTLE}
  WHERE d.community_id = %s AND d.id = ANY(%s) AND d.status IN ('pending', 'claimed')
-   AND community_write_allowed(d.community_id)
+   AND (SELECT ok FROM operable)
 RETURNING d.id
 """
 
@@ -260,19 +321,28 @@ _LIFECYCLE_CONSTRAINTS = {"wd_community_lifecycle_forward", "wd_community_tombst
 _DELIVERY_PRIMARY_KEY = f"{WorkflowAgentDelivery._meta.db_table}_pkey"
 
 
+_FENCED_COMMUNITY = re.compile(r"community_id=(\S+)")
+
+
 @contextmanager
 def database_errors() -> Iterator[None]:
-    """Turn a database error into a named fact by the constraint it names; anything
-    unrecognised is re-raised as it is."""
+    """Turn a database error into a named fact by the constraint it names, or a
+    timeout by its SQLSTATE (``errors``); anything unrecognised is re-raised as it is,
+    a lost connection included."""
     try:
         yield
     except DatabaseError as exc:
         diag = getattr(exc.__cause__, "diag", None)
         constraint = getattr(diag, "constraint_name", None)
-        sqlstate = getattr(exc.__cause__, "sqlstate", None)
+        sqlstate = errors.sqlstate(exc)
         message = getattr(diag, "message_primary", None) or str(exc)
+        if errors.is_timeout(exc):
+            raise DeliveryTimeout(f"{message} (SQLSTATE {sqlstate})", sqlstate) from exc
         if constraint == "wd_community_write_fence":
-            raise CommunityWriteFenced(message) from exc
+            found = _FENCED_COMMUNITY.search(getattr(diag, "message_detail", None) or "")
+            raise CommunityWriteFenced(message, UUID(found.group(1)) if found else None) from exc
+        if constraint == "wd_delivery_one_message_per_step":
+            raise StepMessageConflict("message_event_id", message) from exc
         if constraint in _LIFECYCLE_CONSTRAINTS:
             raise InvalidLifecycleTransition(message) from exc
         if constraint == _DELIVERY_PRIMARY_KEY:

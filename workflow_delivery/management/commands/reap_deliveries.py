@@ -69,7 +69,8 @@ class Command(BaseCommand):
             self.stdout.write(f"{host}: {verb} {count}")
         self.stdout.write(
             f"{verb} {sweep.reclaimed} expired leases; skipped {sweep.skipped_inactive} "
-            f"in communities that are not active; {sweep.seconds:.3f} s"
+            f"in communities that are not active; skipped {sweep.skipped_locked} "
+            f"communities whose deletion lock was taken; {sweep.seconds:.3f} s"
         )
 
     def _loop(self, reaper: Reaper, interval: float, max_sweeps: int | None) -> None:

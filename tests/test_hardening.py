@@ -1,0 +1,872 @@
+"""The faults of issue 10, each proven on real PostgreSQL with real second connections:
+a sweep that never waits on a tenant, a reaper that never reads parked rows, huge
+steps, the executor's proof, errors by SQLSTATE, the operator terminal, the locks
+and checks the fence rests on, one-step lifecycle moves, one message per step and
+lease checks by the statement's clock."""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from typing import Any
+
+import psycopg
+import pytest
+from django.db import DatabaseError, OperationalError, connection, transaction
+
+from tests import factories
+from workflow_delivery import checks, errors, fence, services
+from workflow_delivery.conf import LEASE_SECONDS_BOUND
+from workflow_delivery.exceptions import (
+    CommunityWriteFenced,
+    DeliveryTimeout,
+    InvalidLeaseSeconds,
+    InvalidLifecycleTransition,
+    IsolationLevelError,
+    ProtocolError,
+    StepIdentityClosed,
+    StepMessageConflict,
+    UnexpectedCommunityState,
+)
+from workflow_delivery.models import Community, Workflow, WorkflowAgentDelivery
+from workflow_delivery.protocol import Lease, LeaseLost, NewDelivery, Outcome, Renewed
+from workflow_delivery.runner import Reaper, StopRequest
+
+# A statement that waits on a lock it should have skipped fails within this instead
+# of hanging the suite; a wait we expect to see shows well within it.
+LOCK_TIMEOUT = "5s"
+QUICK = 2.0  # seconds: "at once" under a loaded machine
+
+
+def dsn() -> str:
+    settings = connection.settings_dict
+    parts = {
+        "dbname": settings["NAME"],
+        "host": settings["HOST"] or "",
+        "port": str(settings["PORT"] or ""),
+        "user": settings["USER"] or "",
+        "password": settings["PASSWORD"] or "",
+    }
+    return " ".join(f"{key}='{value}'" for key, value in parts.items() if value)
+
+
+@contextmanager
+def other() -> Iterator[psycopg.Connection]:
+    """A second session, outside Django, in an explicit transaction."""
+    conn = psycopg.connect(dsn())
+    conn.execute("SELECT set_config('lock_timeout', %s, false)", [LOCK_TIMEOUT])
+    conn.commit()
+    try:
+        yield conn
+    finally:
+        conn.close()
+
+
+def key_of(community_id: uuid.UUID) -> int:
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT wd_community_deletion_key(%s)", [community_id])
+        return cursor.fetchone()[0]
+
+
+def backend_pid(conn: psycopg.Connection) -> int:
+    return conn.execute("SELECT pg_backend_pid()").fetchone()[0]
+
+
+def blocked(pid: int) -> bool:
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "SELECT EXISTS (SELECT 1 FROM pg_locks WHERE pid = %s AND NOT granted)", [pid]
+        )
+        return cursor.fetchone()[0]
+
+
+def wait_until_blocked(pid: int, seconds: float = 10) -> None:
+    deadline = time.monotonic() + seconds
+    while not blocked(pid):
+        if time.monotonic() > deadline:
+            pytest.fail(f"backend {pid} never waited for a lock")
+        time.sleep(0.02)
+
+
+def close_connection() -> None:
+    """Close the calling thread's connection (``connection`` resolves per thread)."""
+    connection.close()
+
+
+class Worker:
+    """Calls run on one thread with its own Django connection (closed at the end)."""
+
+    def __init__(self) -> None:
+        self._pool = ThreadPoolExecutor(max_workers=1)
+        self.pid = self.call(self._setup)
+
+    @staticmethod
+    def _setup() -> int:
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT set_config('lock_timeout', %s, false)", [LOCK_TIMEOUT])
+            cursor.execute("SELECT pg_backend_pid()")
+            return cursor.fetchone()[0]
+
+    def submit(self, function: Callable[..., Any], *args: Any, **kwargs: Any):
+        return self._pool.submit(function, *args, **kwargs)
+
+    def call(self, function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        return self.submit(function, *args, **kwargs).result(timeout=60)
+
+    def close(self) -> None:
+        try:
+            self.call(close_connection)
+        finally:
+            self._pool.shutdown()
+
+
+@pytest.fixture
+def worker(transactional_db) -> Iterator[Worker]:
+    w = Worker()
+    yield w
+    w.close()
+
+
+@pytest.fixture
+def lock_timeout(transactional_db) -> Iterator[None]:
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT set_config('lock_timeout', %s, false)", [LOCK_TIMEOUT])
+    yield
+    with connection.cursor() as cursor:
+        cursor.execute("RESET lock_timeout")
+
+
+def expire_all(step: factories.Step) -> list[uuid.UUID]:
+    """Claim every delivery of ``step`` and let the leases run out."""
+    ids = [services.claim_delivery(step.community.id, t)[0].delivery_id for t in step.targets]
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "UPDATE workflow_agent_deliveries SET lease_until = statement_timestamp() "
+            "- interval '1 second' WHERE id = ANY(%s)",
+            [ids],
+        )
+    return ids
+
+
+def statuses(ids: list[uuid.UUID]) -> list[str]:
+    rows = dict(WorkflowAgentDelivery.objects.filter(id__in=ids).values_list("id", "status"))
+    return [rows[i] for i in ids]
+
+
+# --- 1. a sweep never waits on a tenant ----------------------------------------------------
+
+
+def test_reaper_skips_a_tenant_whose_deletion_lock_is_held_and_reclaims_the_rest(lock_timeout):
+    healthy, frozen = factories.Step(targets=2), factories.Step(targets=2)
+    factories.committed(healthy)
+    factories.committed(frozen)
+    healthy_ids, frozen_ids = expire_all(healthy), expire_all(frozen)
+    skipped: list[uuid.UUID] = []
+    with other() as executor:
+        # A deletion executor mid-transition or mid-purge holds the exclusive lock.
+        executor.execute("SELECT pg_advisory_xact_lock(%s)", [key_of(frozen.community.id)])
+        started = time.monotonic()
+        reclaimed = services.reap_expired_deliveries(on_locked=skipped.extend)
+        elapsed = time.monotonic() - started
+        sweep = Reaper(batch_size=10).sweep()
+        executor.rollback()
+    assert reclaimed == 2
+    assert elapsed < QUICK
+    assert skipped == [frozen.community.id]
+    assert sweep.skipped_locked == 1
+    assert statuses(healthy_ids) == ["pending", "pending"]
+    assert statuses(frozen_ids) == ["claimed", "claimed"]
+    # Once the executor is gone the next sweep reclaims the tenant.
+    assert services.reap_expired_deliveries() == 2
+
+
+def test_reaper_skips_a_tenant_whose_transition_is_queued_behind_a_slow_producer(
+    lock_timeout, worker
+):
+    healthy, frozen = factories.Step(targets=1), factories.Step(targets=1)
+    factories.committed(healthy)
+    factories.committed(frozen)
+    healthy_ids, frozen_ids = expire_all(healthy), expire_all(frozen)
+    later = factories.Step(owner=frozen.community, targets=1, step_id="slow")
+    with other() as producer:
+        # A producer past the fence (shared lock, uncommitted insert) ...
+        producer.execute("SELECT pg_advisory_xact_lock_shared(%s)", [key_of(frozen.community.id)])
+        # ... and a transition queued behind it for the exclusive lock.
+        moving = worker.submit(fence.transition_community, later.community.id, "quiescing")
+        wait_until_blocked(worker.pid)
+        started = time.monotonic()
+        skipped: list[uuid.UUID] = []
+        assert services.reap_expired_deliveries(on_locked=skipped.extend) == 1
+        assert time.monotonic() - started < QUICK
+        producer.commit()
+    assert moving.result(timeout=30) == 1
+    assert skipped == [frozen.community.id]
+    assert statuses(healthy_ids) == ["pending"]
+    assert statuses(frozen_ids) == ["claimed"]
+
+
+def test_reap_command_reports_the_tenants_skipped_because_locked(lock_timeout):
+    from django.core.management import call_command
+
+    frozen = factories.Step(targets=1)
+    factories.committed(frozen)
+    expire_all(frozen)
+    from io import StringIO
+
+    out = StringIO()
+    with other() as executor:
+        executor.execute("SELECT pg_advisory_xact_lock(%s)", [key_of(frozen.community.id)])
+        call_command("reap_deliveries", stdout=out)
+        executor.rollback()
+    assert "skipped 1 communities whose deletion lock was taken" in out.getvalue()
+
+
+def test_operator_release_does_not_queue_behind_a_tenant_lock(lock_timeout):
+    step = factories.Step(targets=1)
+    factories.committed(step)
+    lease, _ = services.claim_delivery(step.community.id, step.targets[0])
+    with other() as executor:
+        executor.execute("SELECT pg_advisory_xact_lock(%s)", [key_of(step.community.id)])
+        started = time.monotonic()
+        assert services.release_deliveries(step.community.id, [lease.delivery_id]) == []
+        assert services.fail_deliveries(step.community.id, [lease.delivery_id]) == []
+        assert time.monotonic() - started < QUICK
+        executor.rollback()
+    assert statuses([lease.delivery_id]) == ["claimed"]
+    assert services.release_deliveries(step.community.id, [lease.delivery_id]) == [
+        lease.delivery_id
+    ]
+
+
+def test_delivery_stats_and_the_dry_run_do_not_queue_behind_a_tenant_lock(lock_timeout):
+    from io import StringIO
+
+    from django.core.management import call_command
+
+    step = factories.Step(targets=1)
+    factories.committed(step)
+    expire_all(step)
+    with other() as executor:
+        executor.execute("SELECT pg_advisory_xact_lock(%s)", [key_of(step.community.id)])
+        started = time.monotonic()
+        call_command("delivery_stats", "--json", stdout=StringIO())
+        call_command("reap_deliveries", "--dry-run", stdout=StringIO())
+        assert time.monotonic() - started < QUICK
+        executor.rollback()
+
+
+# --- 2. a batch never reads the rows parked in a tenant that is not active ---------------
+
+
+def rows_read(cursor) -> int:
+    cursor.execute(
+        "SELECT coalesce(seq_tup_read, 0) + coalesce(idx_tup_fetch, 0) "
+        "FROM pg_stat_xact_user_tables WHERE relname = 'workflow_agent_deliveries'"
+    )
+    return cursor.fetchone()[0]
+
+
+def test_reap_batch_does_not_read_the_rows_parked_in_a_fenced_community(db, raw):
+    parked = factories.Step(targets=[factories.key32() for _ in range(3000)])
+    factories.committed(parked)
+    raw.execute(
+        "UPDATE workflow_agent_deliveries SET status = 'claimed', lease_generation = 1, "
+        "claimed_at = now() - interval '1 hour', lease_until = now() - interval '1 hour' "
+        "WHERE community_id = %s",
+        [parked.community.id],
+    )
+    factories.move_to(parked.community.id, "fenced")
+    healthy = factories.Step(targets=3)
+    factories.committed(healthy)
+    expire_all(healthy)
+    before = rows_read(raw)
+    assert services.reap_expired_deliveries(batch_size=2, yield_ratio=0) == 3
+    # Two batches of the 3 healthy rows (plus the probes of their community), never
+    # the 3,000 parked ones.
+    assert rows_read(raw) - before < 50
+
+
+# --- 3. a step with many targets ---------------------------------------------------------
+
+
+@pytest.mark.parametrize("path", ["one call", "identity block"])
+def test_a_step_of_ten_thousand_targets_commits_whole(db, path):
+    targets = [factories.key32() for _ in range(10_000)]
+    step = factories.Step(targets=targets)
+    deliveries = step.new_deliveries()
+    if path == "one call":
+        created = services.commit_deliveries(step.community.id, step.created_at, deliveries)
+    else:
+        with services.delivery_identity(step.community.id, step.run.id, step.step_id) as ident:
+            created = ident.commit(step.created_at, deliveries)
+    assert created == [d.id for d in deliveries]
+    assert WorkflowAgentDelivery.objects.filter(run=step.run).count() == 10_000
+    again = services.commit_deliveries(step.community.id, step.created_at, step.new_deliveries())
+    assert again == []
+
+
+# --- 4. the executor proves itself by the exclusive lock -----------------------------------
+
+
+def present(cursor, community: Community, *, local: bool) -> None:
+    cursor.execute(
+        "SELECT set_config('workflow_delivery.executor_community', %s, %s), "
+        "set_config('workflow_delivery.executor_generation', %s, %s)",
+        [str(community.id), local, str(community.deletion_fence_generation), local],
+    )
+
+
+def test_executor_settings_without_the_exclusive_lock_authorise_nothing(transactional_db):
+    step = factories.Step(targets=1)
+    factories.committed(step)
+    factories.move_to(step.community.id, "fenced")
+    frozen = Community.objects.get(pk=step.community.pk)
+    with pytest.raises(DatabaseError) as caught, transaction.atomic(), connection.cursor() as c:
+        present(c, frozen, local=True)
+        c.execute("DELETE FROM workflow_agent_deliveries WHERE community_id = %s", [frozen.id])
+    assert caught.value.__cause__.diag.constraint_name == "wd_community_write_fence"
+    assert WorkflowAgentDelivery.objects.filter(community=frozen).count() == 1
+
+
+@pytest.mark.django_db(transaction=True)
+def test_executor_settings_left_on_the_session_authorise_nothing_in_the_next_transaction():
+    step = factories.Step(targets=2)
+    factories.committed(step)
+    factories.move_to(step.community.id, "fenced")
+    frozen = Community.objects.get(pk=step.community.pk)
+    try:
+        with transaction.atomic(), connection.cursor() as c:
+            # A real executor's transaction, but presenting session-wide.
+            c.execute("SELECT pg_advisory_xact_lock(wd_community_deletion_key(%s))", [frozen.id])
+            present(c, frozen, local=False)
+            c.execute(
+                "DELETE FROM workflow_agent_deliveries "
+                "WHERE community_id = %s AND target_pubkey = %s",
+                [frozen.id, step.targets[0]],
+            )
+        # Next transaction on the same (pooled) connection: the settings are still
+        # there, the lock is gone.
+        with (
+            pytest.raises(DatabaseError) as caught,
+            transaction.atomic(),
+            connection.cursor() as c,
+        ):
+            c.execute("SELECT current_setting('workflow_delivery.executor_community')")
+            assert c.fetchone()[0] == str(frozen.id)
+            c.execute("DELETE FROM workflow_agent_deliveries WHERE community_id = %s", [frozen.id])
+        assert caught.value.__cause__.diag.constraint_name == "wd_community_write_fence"
+    finally:
+        with connection.cursor() as c:
+            c.execute("RESET workflow_delivery.executor_community")
+            c.execute("RESET workflow_delivery.executor_generation")
+    assert WorkflowAgentDelivery.objects.filter(community=frozen).count() == 1
+
+
+# --- 5. errors by SQLSTATE ----------------------------------------------------------------
+
+
+def test_lock_timeout_is_a_delivery_timeout_not_a_lost_connection(lock_timeout):
+    step = factories.Step(targets=1)
+    factories.committed(step)
+    lease, _ = services.claim_delivery(step.community.id, step.targets[0])
+    with other() as holder:
+        holder.execute(
+            "SELECT 1 FROM workflow_agent_deliveries WHERE id = %s FOR UPDATE", [lease.delivery_id]
+        )
+        with connection.cursor() as c:
+            c.execute("SET lock_timeout = '100ms'")
+        with pytest.raises(DeliveryTimeout) as caught:
+            services.finish_delivery(lease, Outcome.FINISHED)
+        holder.rollback()
+    assert caught.value.sqlstate == "55P03"
+    assert not isinstance(caught.value, OperationalError)
+    assert not errors.is_connection_lost(caught.value)
+    assert services.finish_delivery(lease, Outcome.FINISHED) is not None
+
+
+def test_statement_timeout_is_a_delivery_timeout(lock_timeout):
+    step = factories.Step(targets=1)
+    with other() as executor:
+        executor.execute("SELECT pg_advisory_xact_lock(%s)", [key_of(step.community.id)])
+        with connection.cursor() as c:
+            c.execute("SET statement_timeout = '200ms'")
+        try:
+            with pytest.raises(DeliveryTimeout) as caught:
+                services.commit_deliveries(
+                    step.community.id, step.created_at, step.new_deliveries()
+                )
+        finally:
+            with connection.cursor() as c:
+                c.execute("RESET statement_timeout")
+        executor.rollback()
+    assert caught.value.sqlstate == "57014"
+    assert not WorkflowAgentDelivery.objects.filter(run=step.run).exists()
+
+
+def kill_by_idle_timeout() -> None:
+    """Leave this thread's session idle in a transaction until the server ends it."""
+    with connection.cursor() as c:
+        c.execute("SET idle_in_transaction_session_timeout = '100ms'")
+        c.execute("BEGIN")
+    # A persistent connection (CONN_MAX_AGE=None): kept between passes, so the next
+    # statement is the first to learn that the server ended the session.
+    connection.close_at = None
+    time.sleep(0.5)
+
+
+def test_idle_in_transaction_timeout_is_a_lost_connection_the_reaper_loop_survives(worker):
+    step = factories.Step(targets=1)
+    factories.committed(step)
+    expire_all(step)
+    worker.call(kill_by_idle_timeout)
+
+    def failing_then_working_loop():
+        # The first pass meets the killed session; the loop reconnects and goes on.
+        return Reaper(batch_size=10, max_backoff=0.1).loop(
+            interval=0.01, stop=StopRequest(), max_sweeps=2
+        )
+
+    summary = worker.call(failing_then_working_loop)
+    assert (summary.sweeps, summary.failed, summary.reclaimed) == (2, 1, 1)
+
+
+def test_idle_in_transaction_error_is_classified_as_connection_lost(worker):
+    worker.call(kill_by_idle_timeout)
+
+    def next_statement() -> BaseException:
+        try:
+            with connection.cursor() as c:
+                c.execute("SELECT 1")
+        except DatabaseError as exc:
+            return exc
+        pytest.fail("the killed session answered")
+
+    exc = worker.call(next_statement)
+    assert errors.sqlstate(exc) == "25P03"
+    assert errors.is_connection_lost(exc)
+
+
+def test_other_database_errors_are_neither_lost_nor_timeouts(db):
+    with pytest.raises(DatabaseError) as caught, transaction.atomic(), connection.cursor() as c:
+        c.execute("SELECT 1 / 0")
+    assert not errors.is_connection_lost(caught.value)
+    assert not errors.is_timeout(caught.value)
+
+
+# --- 6. the operator terminal bumps the generation -----------------------------------------
+
+
+def test_operator_mark_failed_leaves_the_live_holder_lease_lost(db):
+    step = factories.Step(targets=1)
+    factories.committed(step)
+    lease, _ = services.claim_delivery(step.community.id, step.targets[0])
+    assert services.fail_deliveries(step.community.id, [lease.delivery_id]) == [lease.delivery_id]
+    assert services.finish_delivery(lease, Outcome.FINISHED) == LeaseLost()
+    assert services.renew_delivery(lease) == LeaseLost()
+    row = WorkflowAgentDelivery.objects.get(pk=lease.delivery_id)
+    assert (row.status, row.lease_generation) == ("failed", lease.generation + 1)
+
+
+# --- 7. the behaviour each lock and check gives -------------------------------------------
+
+
+def test_claim_takes_the_next_row_at_once_while_the_oldest_is_locked(lock_timeout):
+    step = factories.Step(targets=1)
+    first = factories.committed(step)[0]
+    second = factories.Step(owner=step.community, targets=step.targets, step_id="step-2")
+    later = factories.committed(second)[0]
+    with other() as claimer:
+        claimer.execute(
+            "SELECT 1 FROM workflow_agent_deliveries WHERE id = %s FOR UPDATE", [first.id]
+        )
+        started = time.monotonic()
+        _, record = services.claim_delivery(step.community.id, step.targets[0])
+        assert time.monotonic() - started < QUICK
+        claimer.rollback()
+    assert record.id == later.id
+
+
+def writer_past_the_fence(step: factories.Step) -> Callable[[], list[uuid.UUID]]:
+    """A producer that committed nothing yet: its rows are inserted, the fence passed."""
+    ready, release = threading.Event(), threading.Event()
+
+    def produce() -> list[uuid.UUID]:
+        try:
+            with transaction.atomic():
+                created = services.commit_deliveries(
+                    step.community.id, step.created_at, step.new_deliveries()
+                )
+                ready.set()
+                release.wait(30)
+            return created
+        finally:
+            connection.close()
+
+    pool = ThreadPoolExecutor(max_workers=1)
+    future = pool.submit(produce)
+    assert ready.wait(30)
+
+    def finish() -> list[uuid.UUID]:
+        release.set()
+        try:
+            return future.result(timeout=30)
+        finally:
+            pool.shutdown()
+
+    return finish
+
+
+def test_deletion_waits_for_a_writer_past_the_fence_and_the_purge_sees_its_rows(worker):
+    step = factories.Step(targets=3)
+    finish_writer = writer_past_the_fence(step)
+
+    def delete_tenant() -> dict[str, int]:
+        generation = fence.transition_community(step.community.id, "quiescing")
+        generation = fence.transition_community(step.community.id, "fenced")
+        return fence.purge_community(step.community.id, generation)
+
+    deleting = worker.submit(delete_tenant)
+    wait_until_blocked(worker.pid)
+    assert not deleting.done()
+    assert len(finish_writer()) == 3
+    deleted = deleting.result(timeout=30)
+    assert deleted["workflow_agent_deliveries"] == 3
+    assert not WorkflowAgentDelivery.objects.filter(community=step.community).exists()
+
+
+def test_a_direct_state_update_waits_for_a_writer_past_the_fence(worker):
+    step = factories.Step(targets=2)
+    finish_writer = writer_past_the_fence(step)
+
+    def raw_transition() -> None:
+        with connection.cursor() as c:
+            c.execute(
+                "UPDATE communities SET deletion_state = 'quiescing' WHERE id = %s",
+                [step.community.id],
+            )
+
+    moving = worker.submit(raw_transition)
+    wait_until_blocked(worker.pid)
+    assert Community.objects.get(pk=step.community.pk).deletion_state == "active"
+    assert len(finish_writer()) == 2
+    moving.result(timeout=30)
+    assert Community.objects.get(pk=step.community.pk).deletion_state == "quiescing"
+
+
+def test_a_transition_waits_for_a_transaction_that_asked_community_write_allowed(worker):
+    owner = factories.community()
+    with other() as reader:
+        assert reader.execute("SELECT community_write_allowed(%s)", [owner.id]).fetchone()[0]
+        moving = worker.submit(fence.transition_community, owner.id, "quiescing")
+        wait_until_blocked(worker.pid)
+        assert Community.objects.get(pk=owner.pk).deletion_state == "active"
+        reader.commit()
+    assert moving.result(timeout=30) == 1
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_repeatable_read_writer_cannot_write_into_a_tenant_fenced_after_its_snapshot():
+    step = factories.Step(targets=1)
+    with other() as writer:
+        writer.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ")
+        writer.execute("SELECT count(*) FROM communities")  # the snapshot is taken here
+        factories.move_to(step.community.id, "fenced")
+        with pytest.raises(psycopg.Error) as caught:
+            writer.execute(
+                "INSERT INTO workflows (id, community_id, name, owner_pubkey, definition, "
+                "status, created_at, updated_at) VALUES (gen_random_uuid(), %s, 'late', %s, "
+                "'{}', 'active', now(), now())",
+                [step.community.id, factories.key32()],
+            )
+        writer.rollback()
+    assert "READ COMMITTED" in str(caught.value)
+    assert Workflow.objects.filter(community=step.community).count() == 1
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_repeatable_read_writer_is_refused_by_the_service():
+    step = factories.Step(targets=1)
+    with pytest.raises(IsolationLevelError), transaction.atomic():
+        with connection.cursor() as c:
+            c.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ")
+        services.commit_deliveries(step.community.id, step.created_at, step.new_deliveries())
+    assert not WorkflowAgentDelivery.objects.filter(run=step.run).exists()
+
+
+def test_one_call_commit_waits_for_an_open_identity_block_of_the_same_step(worker):
+    step = factories.Step(targets=2)
+    opened, release = threading.Event(), threading.Event()
+
+    def producer() -> list[uuid.UUID]:
+        try:
+            with services.delivery_identity(step.community.id, step.run.id, step.step_id) as i:
+                opened.set()
+                release.wait(30)
+                return i.commit(step.created_at, step.new_deliveries())
+        finally:
+            connection.close()
+
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        first = pool.submit(producer)
+        assert opened.wait(30)
+        second = worker.submit(
+            services.commit_deliveries, step.community.id, step.created_at, step.new_deliveries()
+        )
+        wait_until_blocked(worker.pid)
+        assert not WorkflowAgentDelivery.objects.filter(run=step.run).exists()
+        release.set()
+        assert len(first.result(timeout=30)) == 2
+    assert second.result(timeout=30) == []
+    assert WorkflowAgentDelivery.objects.filter(run=step.run).count() == 2
+
+
+def test_release_leaves_pending_and_settled_rows_as_they_are(db):
+    step = factories.Step(targets=3)
+    ids = [d.id for d in factories.committed(step)]
+    held, _ = services.claim_delivery(step.community.id, step.targets[0])
+    settled, _ = services.claim_delivery(step.community.id, step.targets[1])
+    services.finish_delivery(settled, Outcome.FINISHED)
+    before = {
+        row["id"]: row
+        for row in WorkflowAgentDelivery.objects.filter(id__in=ids).values(
+            "id", "status", "lease_generation", "finished_at"
+        )
+    }
+    assert services.release_deliveries(step.community.id, ids) == [held.delivery_id]
+    after = {
+        row["id"]: row
+        for row in WorkflowAgentDelivery.objects.filter(id__in=ids).values(
+            "id", "status", "lease_generation", "finished_at"
+        )
+    }
+    pending_id = next(i for i in ids if i not in (held.delivery_id, settled.delivery_id))
+    assert after[pending_id] == before[pending_id]
+    assert after[settled.delivery_id] == before[settled.delivery_id]
+    assert after[held.delivery_id]["status"] == "pending"
+
+
+# --- 10. one lifecycle step at a time ------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("path", "target"),
+    [(["active"], "fenced"), (["active"], "tombstone"), (["quiescing"], "tombstone")],
+)
+def test_a_lifecycle_step_cannot_be_skipped(db, raw, path, target):
+    owner = factories.community()
+    factories.move_to(owner.id, path[-1])
+    before = Community.objects.get(pk=owner.pk)
+    with pytest.raises(InvalidLifecycleTransition):
+        fence.transition_community(owner.id, target)
+    with pytest.raises(DatabaseError) as caught, transaction.atomic(), connection.cursor() as c:
+        c.execute("UPDATE communities SET deletion_state = %s WHERE id = %s", [target, owner.id])
+    assert caught.value.__cause__.diag.constraint_name == "wd_community_lifecycle_forward"
+    after = Community.objects.get(pk=owner.pk)
+    assert (after.deletion_state, after.deletion_fence_generation) == (
+        before.deletion_state,
+        before.deletion_fence_generation,
+    )
+
+
+def test_a_transition_from_a_state_the_caller_did_not_read_is_refused(db):
+    owner = factories.community()
+    fence.transition_community(owner.id, "quiescing")
+    fence.transition_community(owner.id, "active")  # cancelled meanwhile
+    with pytest.raises(UnexpectedCommunityState, match="is active, not quiescing"):
+        fence.transition_community(owner.id, "quiescing", expected="quiescing")
+    assert Community.objects.get(pk=owner.pk).deletion_state == "active"
+    assert fence.transition_community(owner.id, "quiescing", expected="active") == 3
+
+
+# --- 11. a step stays one step --------------------------------------------------------------
+
+
+@pytest.mark.parametrize("path", ["one call", "identity block", "raw insert"])
+def test_a_second_message_for_a_step_is_refused_and_nothing_is_written(db, raw, path):
+    step = factories.Step(targets=2)
+    first = step.new_deliveries()[:1]
+    services.commit_deliveries(step.community.id, step.created_at, first)
+    other_message = factories.message(step.community, step.targets)
+    second = [
+        NewDelivery(
+            uuid.uuid4(), step.binding(step.targets[1], message_event_id=bytes(other_message.id))
+        )
+    ]
+    if path == "raw insert":
+        with pytest.raises(DatabaseError) as caught, transaction.atomic():
+            raw.execute(
+                "INSERT INTO workflow_agent_deliveries (id, community_id, workflow_id, run_id, "
+                "step_id, target_pubkey, definition_event_id, message_event_id, "
+                "message_event_created_at, cause_kind, cause_event_id) "
+                "SELECT %s, community_id, workflow_id, run_id, step_id, %s, definition_event_id, "
+                "%s, %s, cause_kind, cause_event_id FROM workflow_agent_deliveries WHERE id = %s",
+                [
+                    uuid.uuid4(),
+                    step.targets[1],
+                    bytes(other_message.id),
+                    other_message.created_at,
+                    first[0].id,
+                ],
+            )
+        assert caught.value.__cause__.diag.constraint_name == "wd_delivery_one_message_per_step"
+    else:
+        with pytest.raises(StepMessageConflict) as caught:
+            if path == "one call":
+                services.commit_deliveries(step.community.id, other_message.created_at, second)
+            else:
+                with services.delivery_identity(step.community.id, step.run.id, step.step_id) as i:
+                    i.commit(other_message.created_at, second)
+        assert caught.value.field == "message_event_id"
+    assert list(
+        WorkflowAgentDelivery.objects.filter(run=step.run).values_list("id", flat=True)
+    ) == [first[0].id]
+
+
+# --- 12. leases by the statement's clock ------------------------------------------------------
+
+
+def test_an_expired_lease_cannot_renew_or_finish_inside_a_long_transaction(db):
+    step = factories.Step(targets=1)
+    factories.committed(step)
+    with transaction.atomic():
+        lease, _ = services.claim_delivery(step.community.id, step.targets[0], lease_seconds=1)
+        time.sleep(1.2)
+        assert services.renew_delivery(lease, lease_seconds=60) == LeaseLost()
+        assert services.finish_delivery(lease, Outcome.FINISHED) == LeaseLost()
+    assert WorkflowAgentDelivery.objects.get(pk=lease.delivery_id).status == "claimed"
+
+
+def test_a_claim_late_in_a_long_transaction_hands_out_a_live_lease(db):
+    step = factories.Step(targets=1)
+    factories.committed(step)
+    with transaction.atomic():
+        time.sleep(1.1)
+        lease, _ = services.claim_delivery(step.community.id, step.targets[0], lease_seconds=1)
+        with connection.cursor() as c:
+            c.execute("SELECT statement_timestamp()")
+            assert lease.lease_until > c.fetchone()[0]
+        assert isinstance(services.renew_delivery(lease, lease_seconds=1), Renewed)
+
+
+# --- 13. smaller findings ---------------------------------------------------------------------
+
+
+def test_step_identity_commit_after_its_block_is_refused(db):
+    step = factories.Step(targets=1)
+    with services.delivery_identity(step.community.id, step.run.id, step.step_id) as identity:
+        pass
+    with pytest.raises(StepIdentityClosed, match="block has closed"):
+        identity.commit(step.created_at, step.new_deliveries())
+    assert not WorkflowAgentDelivery.objects.filter(run=step.run).exists()
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("community_id", "x"),
+        ("delivery_id", 7),
+        ("target_pubkey", b"short"),
+        ("generation", "1"),
+        ("generation", -1),
+        ("generation", 2**63),
+        ("lease_until", "tomorrow"),
+    ],
+)
+def test_a_lease_of_bad_values_is_a_protocol_error(field, value):
+    from datetime import UTC, datetime
+
+    fields = dict(
+        community_id=uuid.uuid4(),
+        delivery_id=uuid.uuid4(),
+        target_pubkey=b"k" * 32,
+        generation=1,
+        lease_until=datetime.now(UTC),
+    )
+    fields[field] = value
+    with pytest.raises(ProtocolError) as caught:
+        Lease(**fields)
+    assert caught.value.field == field
+
+
+def test_a_fenced_write_names_its_community(db):
+    step = factories.Step(targets=1)
+    factories.move_to(step.community.id, "quiescing")
+    with pytest.raises(CommunityWriteFenced) as caught:
+        services.commit_deliveries(step.community.id, step.created_at, step.new_deliveries())
+    assert caught.value.community_id == step.community.id
+
+
+# --- 8 and 13: lease bounds and intervals ------------------------------------------------
+
+
+def test_the_default_maximum_lease_is_seven_days():
+    from django.conf import settings
+
+    from workflow_delivery.conf import DEFAULTS
+
+    assert (
+        DEFAULTS["MAX_LEASE_SECONDS"] == 7 * 86400 == settings.WORKFLOW_DELIVERY_MAX_LEASE_SECONDS
+    )
+
+
+@pytest.mark.parametrize("maximum", [LEASE_SECONDS_BOUND + 1, 10**12])
+def test_a_maximum_lease_beyond_the_bound_is_refused_by_the_system_check(settings, maximum):
+    settings.WORKFLOW_DELIVERY_MAX_LEASE_SECONDS = maximum
+    found = [error for error in checks.check_settings() if error.id == "workflow_delivery.E006"]
+    assert [error.msg for error in found] == [
+        checks.E006_MSG.format(value=maximum, bound=LEASE_SECONDS_BOUND)
+    ]
+
+
+def test_a_lease_at_the_bound_is_handed_out_and_a_longer_one_is_refused(db, settings):
+    settings.WORKFLOW_DELIVERY_MAX_LEASE_SECONDS = 10**12  # misconfigured: bounded anyway
+    assert not [e for e in checks.check_settings() if e.id != "workflow_delivery.E006"]
+    step = factories.Step(targets=2)
+    factories.committed(step)
+    lease, _ = services.claim_delivery(
+        step.community.id, step.targets[0], lease_seconds=LEASE_SECONDS_BOUND
+    )
+    assert lease.lease_until.year >= time.gmtime().tm_year + 9
+    with pytest.raises(InvalidLeaseSeconds):
+        services.claim_delivery(step.community.id, step.targets[1], lease_seconds=10**12)
+    assert WorkflowAgentDelivery.objects.filter(status="pending").count() == 1
+
+
+@pytest.mark.parametrize("value", [math.inf, math.nan], ids=["inf", "nan"])
+def test_an_endless_reap_interval_is_refused(settings, value):
+    settings.WORKFLOW_DELIVERY_REAP_INTERVAL_SECONDS = value
+    assert "workflow_delivery.E004" in [error.id for error in checks.check_settings()]
+
+
+@pytest.mark.parametrize("value", ["inf", "nan", "-inf"])
+def test_reap_deliveries_refuses_an_endless_interval(db, value):
+    from django.core.management import call_command
+    from django.core.management.base import CommandError
+
+    with pytest.raises(CommandError, match="--interval must be a positive number"):
+        call_command("reap_deliveries", "--loop", "--max-sweeps", "1", f"--interval={value}")
+
+
+# --- migration 0006 is reversible ----------------------------------------------------------
+
+
+@pytest.mark.django_db(transaction=True)
+def test_reversing_0006_restores_the_rules_of_0003():
+    from django.core.management import call_command
+
+    try:
+        call_command("migrate", "workflow_delivery", "0005", verbosity=0)
+        owner = factories.community()
+        with connection.cursor() as c:
+            # 0003's lifecycle: any forward move, a skipped step included.
+            c.execute("UPDATE communities SET deletion_state = 'fenced' WHERE id = %s", [owner.id])
+    finally:
+        call_command("migrate", "workflow_delivery", verbosity=0)
+    skipping = factories.community()
+    with pytest.raises(DatabaseError), transaction.atomic(), connection.cursor() as c:
+        c.execute("UPDATE communities SET deletion_state = 'fenced' WHERE id = %s", [skipping.id])
