@@ -17,7 +17,7 @@ from django.db import DEFAULT_DB_ALIAS, transaction
 
 from . import db, sql
 from .conf import app_settings, is_whole_number, is_yield_ratio
-from .exceptions import BindingScopeError, InvalidLeaseSeconds, ProtocolError
+from .exceptions import BindingScopeError, InvalidLeaseSeconds, LeaseLostError, ProtocolError
 from .models import WorkflowAgentDelivery
 from .protocol import (
     AlreadyTerminal,
@@ -37,6 +37,7 @@ from .protocol import (
 )
 
 __all__ = [
+    "Held",
     "StepIdentity",
     "claim_delivery",
     "commit_deliveries",
@@ -44,6 +45,7 @@ __all__ = [
     "fail_deliveries",
     "finish_delivery",
     "get_delivery",
+    "holding",
     "reap_expired_deliveries",
     "release_deliveries",
     "renew_delivery",
@@ -326,6 +328,85 @@ def finish_delivery(
     if row is not None and DeliveryStatus(row[0]).is_terminal:
         return AlreadyTerminal(status=DeliveryStatus(row[0]))
     return LeaseLost()
+
+
+class Held:
+    """The row lock of a live lease inside ``holding()``; ``finish`` settles there."""
+
+    def __init__(self, lease: Lease, using: str) -> None:
+        self.lease = lease
+        self.settled: Settled | None = None
+        self.refused = False
+        self._using = using
+
+    def __repr__(self) -> str:
+        return f"Held(delivery_id={self.lease.delivery_id}, settled={self.settled})"
+
+    def finish(self, outcome: Outcome | str) -> Settled:
+        """Settle the delivery in the block's transaction: it commits with the block's
+        other writes. Raises ``LeaseLostError`` if the lease ran out during the block
+        (the block then rolls back, even if the caller catches it)."""
+        try:
+            outcome = Outcome(outcome)
+        except ValueError:
+            raise ProtocolError("outcome", f"must be finished or failed, not {outcome!r}") from None
+        if self.settled is not None:
+            raise ProtocolError("outcome", "this block has already settled its delivery")
+        with db.cursor(self._using, savepoint=False) as cursor:
+            cursor.execute(sql.HELD_FINISH, [outcome.value, *_lease_params(self.lease)])
+            settled = cursor.fetchone() is not None
+        if not settled:
+            self.refused = True
+            raise LeaseLostError(self.lease, "the lease ran out inside the holding() block")
+        self.settled = Settled(outcome=outcome)
+        return self.settled
+
+
+@contextmanager
+def holding(lease: Lease, *, using: str = DEFAULT_DB_ALIAS) -> Iterator[Held]:
+    """Lease-fenced effects: a transaction that holds the delivery's row while the
+    lease is live. The caller's writes in the block, and ``held.finish(outcome)``,
+    commit together, or not at all.
+
+    Entry locks the row (``FOR UPDATE``, waiting behind a brief locker such as a renew
+    or the reaper) only while the lease is live, then asks again on its own clock:
+    a lease reaped, released, superseded or settled before the block, or one that ran
+    out while the block waited for the row, raises ``LeaseLostError``. While the block
+    holds the row the reaper skips it and no newer holder can exist. A block that does
+    not finish asks once more before it commits and rolls back (``LeaseLostError``)
+    if the lease ran out inside it. So effects written inside ``holding()`` commit
+    only under the live lease, and a block that finishes the delivery is the last any
+    holder can commit: an effect written in that block happens exactly once.
+
+    The row lock also holds back the holder's own heartbeat (``renew_delivery`` waits
+    for it), so renew just before entering and keep the block well inside the lease.
+    Nested in a caller's transaction, the block is a savepoint and the row stays
+    locked until that transaction ends.
+    """
+    params = _lease_params(lease)
+    with transaction.atomic(using=using):
+        # Lock, then re-check: the locking statement's WHERE is re-read after a wait
+        # but against the clock of its start, so expiry during the wait shows only
+        # to a second statement. Both run in this block's transaction.
+        with db.cursor(using, savepoint=False) as cursor:
+            cursor.execute(sql.HOLD_LOCK, params)
+            locked = cursor.fetchone() is not None
+            if locked:
+                cursor.execute(sql.HELD_LIVE, params)
+                locked = cursor.fetchone() is not None
+        if not locked:
+            raise LeaseLostError(lease)
+        held = Held(lease, using)
+        yield held
+        if held.refused:
+            raise LeaseLostError(lease, "the lease ran out inside the holding() block")
+        if held.settled is None:
+            # The row is still ours, so this answer holds until the commit.
+            with db.cursor(using, savepoint=False) as cursor:
+                cursor.execute(sql.HELD_LIVE, params)
+                live = cursor.fetchone() is not None
+            if not live:
+                raise LeaseLostError(lease, "the lease ran out inside the holding() block")
 
 
 def reap_expired_deliveries(

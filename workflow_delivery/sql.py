@@ -166,6 +166,30 @@ UPDATE {DELIVERIES}
 RETURNING status
 """
 
+# holding(): the same four conditions against each statement's own clock. Inside the
+# block's transaction now() stands still at the block's start, so time spent waiting
+# for the row or working in the block would not count against the lease.
+_LIVE_LEASE_AT_STATEMENT = """
+  community_id = %s AND id = %s AND target_pubkey = %s AND lease_generation = %s
+  AND status = 'claimed' AND lease_until >= statement_timestamp()
+"""
+
+# Lock the row of a live lease until the block's transaction ends. A wait behind
+# another locker ends with the WHERE re-read on the row as that locker left it (a
+# reap or release bumped the generation: no row), but against this statement's start.
+HOLD_LOCK = f"SELECT lease_until FROM {DELIVERIES} WHERE {_LIVE_LEASE_AT_STATEMENT} FOR UPDATE"
+
+# Asked once the lock is ours, and again before an unfinished block commits: the
+# lease may have run out meanwhile, and nobody else can change the row now.
+HELD_LIVE = f"SELECT lease_until FROM {DELIVERIES} WHERE {_LIVE_LEASE_AT_STATEMENT}"
+
+HELD_FINISH = f"""
+UPDATE {DELIVERIES}
+   SET status = %s, finished_at = statement_timestamp(), lease_until = NULL, claimed_at = NULL
+ WHERE {_LIVE_LEASE_AT_STATEMENT}
+RETURNING status
+"""
+
 # After a finish that settled nothing: the row as the caller's full capability sees it.
 STATUS_BY_CAPABILITY = f"""
 SELECT status FROM {DELIVERIES}
