@@ -265,3 +265,15 @@ def test_holding_needs_a_lease(db):
     with pytest.raises(ProtocolError) as error, services.holding("not a lease"):  # type: ignore[arg-type]
         pass
     assert error.value.field == "lease"
+
+
+def test_a_holder_gives_back_only_its_own_live_lease(step):
+    stale = claim(step, seconds=1)
+    assert services.release_lease(stale) is True
+    assert status_of(stale) == DeliveryStatus.PENDING
+    fresh = claim(step)
+    assert fresh.generation == stale.generation + 2
+    # The old capability cannot touch the newer holder's claim.
+    assert services.release_lease(stale) is False
+    assert status_of(fresh) == DeliveryStatus.CLAIMED
+    assert services.finish_delivery(fresh, "finished") == Settled(Outcome.FINISHED)

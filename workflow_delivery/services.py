@@ -48,6 +48,7 @@ __all__ = [
     "holding",
     "reap_expired_deliveries",
     "release_deliveries",
+    "release_lease",
     "renew_delivery",
 ]
 
@@ -482,6 +483,15 @@ def release_deliveries(
     """Operator release: claimed rows of an active community go back to pending with
     the fence bumped, so their live holders are fenced out. Returns the ids released."""
     return _operator_update(sql.RELEASE, community_id, delivery_ids, using)
+
+
+def release_lease(lease: Lease, *, using: str = DEFAULT_DB_ALIAS) -> bool:
+    """The holder gives its live lease back: the delivery returns to pending with the
+    fence bumped. False (nothing changed) when the lease was no longer live."""
+    params = _lease_params(lease)
+    with db.cursor(using) as cursor:
+        cursor.execute(sql.RELEASE_LEASE, params)
+        return cursor.fetchone() is not None
 
 
 def fail_deliveries(

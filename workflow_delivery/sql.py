@@ -224,6 +224,15 @@ UPDATE {DELIVERIES} AS d
 RETURNING d.id
 """
 
+# A holder giving its own live lease back (a consumer stopping): back to pending,
+# fence bumped, and only at the holder's generation, so a newer holder is untouched.
+RELEASE_LEASE = f"""
+UPDATE {DELIVERIES} AS d
+   SET {_BACK_TO_PENDING}
+ WHERE {_LIVE_LEASE}
+RETURNING d.id
+"""
+
 # An operator's terminal for chosen non-terminal rows (admin), recorded as failed.
 MARK_FAILED = f"""
 UPDATE {DELIVERIES} AS d
