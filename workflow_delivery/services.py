@@ -7,13 +7,16 @@ miss, a lost lease) are values; database rule violations become named exceptions
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from datetime import datetime
+from functools import partial
+from typing import Any
 from uuid import UUID
 
-from django.db import DEFAULT_DB_ALIAS, transaction
+from django.db import DEFAULT_DB_ALIAS, DatabaseError, transaction
 
 from . import db, sql
 from .conf import app_settings, is_whole_number, is_yield_ratio
@@ -35,6 +38,9 @@ from .protocol import (
     as_step_id,
     as_uuid,
 )
+from .wakeups import WAKE_CHANNEL, format_wake
+
+logger = logging.getLogger(__name__)
 
 __all__ = [
     "Held",
@@ -82,10 +88,35 @@ def _new_deliveries(deliveries: object) -> list[NewDelivery]:
     return batch
 
 
-def _producer_statement(insert: str) -> str:
-    """The insert itself, or (``WORKFLOW_DELIVERY_NOTIFY``) the insert that also sends
-    a wake-up per created row; either returns the created ids in its first column."""
-    return sql.notifying(insert) if app_settings.NOTIFY else insert
+def _insert_deliveries(cursor: Any, insert: str, params: list[object], using: str) -> list[UUID]:
+    """Run a delivery insert (rows: id, community_id, target_pubkey) and return the
+    created ids, with a wake-up per created row when ``WORKFLOW_DELIVERY_NOTIFY`` is on.
+
+    By default the wake-ups go out right after the transaction commits, in a statement
+    of their own (``on_commit``; a rollback drops them). With
+    ``WORKFLOW_DELIVERY_NOTIFY_IN_TRANSACTION`` the insert itself sends them, so they
+    are part of the commit, at the price PostgreSQL charges for that: a transaction
+    that notifies holds a global lock through its commit's WAL flush, which
+    serialises every notifying producer's commits."""
+    in_statement = app_settings.NOTIFY and app_settings.NOTIFY_IN_TRANSACTION
+    cursor.execute(sql.notifying(insert) if in_statement else insert, params)
+    rows = cursor.fetchall()
+    if rows and app_settings.NOTIFY and not in_statement:
+        payloads = [format_wake(community, target, id_) for id_, community, target in rows]
+        transaction.on_commit(partial(_send_wakes, payloads, using), using=using)
+    return [row[0] for row in rows]
+
+
+def _send_wakes(payloads: list[str], using: str) -> None:
+    # After the commit, in a transaction of its own that does not wait for its WAL
+    # flush (see sql.SEND_WAKES), so producers do not queue on the notify lock. The
+    # deliveries are committed whatever happens here; a wake-up lost to an error is
+    # what polling is for, so it is logged, never raised to the producer.
+    try:
+        with db.cursor(using) as cursor:
+            cursor.execute(sql.SEND_WAKES, [WAKE_CHANNEL, payloads])
+    except DatabaseError:
+        logger.warning("wake-ups for %s deliveries were not sent", len(payloads), exc_info=True)
 
 
 class StepIdentity:
@@ -169,8 +200,7 @@ class StepIdentity:
         An existing (community, run, step, target) is skipped, so a retry creates nothing."""
         count, params = self._values(message_event_created_at, _new_deliveries(deliveries))
         with db.cursor(self._using, savepoint=False) as cursor:
-            cursor.execute(_producer_statement(sql.insert_deliveries(count)), params)
-            created = [row[0] for row in cursor.fetchall()]
+            created = _insert_deliveries(cursor, sql.insert_deliveries(count), params, self._using)
         if created:
             self.exists = True
         return created
@@ -217,9 +247,8 @@ def commit_deliveries(
     # One statement takes the step's identity lock and inserts every row: in
     # autocommit it is its own transaction (all rows or none), else the caller's.
     with db.cursor(using) as cursor:
-        statement = _producer_statement(sql.lock_and_insert_deliveries(count))
-        cursor.execute(statement, [*lock, *params])
-        return [row[0] for row in cursor.fetchall()]
+        statement = sql.lock_and_insert_deliveries(count)
+        return _insert_deliveries(cursor, statement, [*lock, *params], using)
 
 
 def _claim_filters(

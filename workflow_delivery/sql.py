@@ -111,14 +111,25 @@ SELECT v.* FROM (VALUES {rows}) AS v ({_INSERT_COLUMNS}) CROSS JOIN step_lock
 def notifying(insert: str) -> str:
     """Wrap a delivery insert (``… RETURNING id, community_id, target_pubkey``) so the
     same statement sends one wake-up per row it created, on ``WAKE_CHANNEL``, and still
-    returns the created ids first. A NOTIFY is queued with the transaction: PostgreSQL
-    delivers it on commit and drops it on rollback; a skipped duplicate returns no row,
-    so it sends nothing."""
+    returns the created ids first (``WORKFLOW_DELIVERY_NOTIFY_IN_TRANSACTION``). A
+    NOTIFY is queued with the transaction: PostgreSQL delivers it on commit and drops
+    it on rollback; a skipped duplicate returns no row, so it sends nothing."""
     payload = "created.community_id::text || ':' || encode(created.target_pubkey, 'hex') || ':' "
     payload += "|| created.id::text"
     return f"""
 WITH created AS ({insert.strip()})
 SELECT created.id, pg_notify('{WAKE_CHANNEL}', {payload}) FROM created
+"""
+
+
+# Wake-ups sent after the producer's commit, one per payload, in one statement of
+# its own transaction. PostgreSQL gives a notifying transaction an xid, so its commit
+# would wait for a WAL flush while holding the notify queue's global lock; nothing
+# here needs to be durable (the deliveries already are), so this one commit skips the
+# wait and the lock is held for an instant.
+SEND_WAKES = """
+WITH no_flush AS MATERIALIZED (SELECT set_config('synchronous_commit', 'off', true))
+SELECT pg_notify(%s, payload) FROM no_flush, unnest(%s::text[]) AS payload
 """
 
 
