@@ -150,11 +150,17 @@ class _Heartbeat(threading.Thread):
         self._due: dict[UUID, tuple[DeliveryContext, float]] = {}
         self._cond = threading.Condition()
         self._stopped = False
+        self._sleeping_until = 0.0
 
     def track(self, context: DeliveryContext) -> None:
+        due = time.monotonic() + self.interval
         with self._cond:
-            self._due[context.lease.delivery_id] = (context, time.monotonic() + self.interval)
-            self._cond.notify()
+            self._due[context.lease.delivery_id] = (context, due)
+            # Wake the thread only when this beat comes before the one it sleeps
+            # for: with deliveries in flight it rarely does, and a wake per claim
+            # would cost a thread switch per delivery.
+            if due < self._sleeping_until:
+                self._cond.notify()
 
     def untrack(self, context: DeliveryContext) -> None:
         with self._cond:
@@ -187,7 +193,9 @@ class _Heartbeat(threading.Thread):
                     due = [context for context, at in self._due.values() if at <= now]
                     if not due:
                         wake = min((at for _, at in self._due.values()), default=now + 1.0)
+                        self._sleeping_until = wake
                         self._cond.wait(timeout=max(0.0, wake - now))
+                        self._sleeping_until = 0.0
                         continue
                 for context in due:
                     self._beat(context)
