@@ -262,3 +262,26 @@ def test_it_reconnects_after_its_sessions_are_killed(db):
         assert eventually(lambda: status(deliveries[0].id) == DeliveryStatus.FINISHED, 5)
     assert running.stats.finished == 1
     assert running.stats.connection_errors >= 1
+
+
+def test_a_heartbeat_behind_the_handlers_own_block_is_busy_not_lost(db, effects):
+    step = factories.Step(targets=1)
+    (delivery,) = factories.committed(step)
+
+    def long_block(record, lease, context) -> None:
+        with context.holding() as held:
+            # The block holds the row across at least one beat (every 2/3 s).
+            time.sleep(1.2)
+            with connection.cursor() as cursor:
+                cursor.execute(
+                    f"INSERT INTO {EFFECTS} (delivery_id, generation) VALUES (%s, %s)",
+                    [lease.delivery_id, lease.generation],
+                )
+            held.finish("finished")
+
+    with Running(consumer_for(step, long_block, lease_seconds=2, max_deliveries=1)) as running:
+        stats = running.join(20)
+    assert stats.renew_busy >= 1, stats
+    assert stats.finished == 1 and stats.lost == 0, stats
+    assert effect_count(delivery.id) == 1
+    assert status(delivery.id) == DeliveryStatus.FINISHED
