@@ -360,8 +360,13 @@ class Consumer:
         stop: Callable[[], bool] | None,
     ) -> None:
         if listener is not None:
-            import psycopg
-
+            try:
+                import psycopg
+            except ImportError:
+                # The listener needs psycopg 3; on psycopg2 alone the workers poll.
+                logger.warning("wake-ups need psycopg 3; polling every %s s", self.poll_interval)
+                listener = None
+        if listener is not None:
             try:
                 listener.connect()
                 self.listening.set()
