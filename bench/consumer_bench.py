@@ -82,7 +82,8 @@ def _consumer_process(
         if behaviour == "empty":
             return
         events.put((behaviour, str(record.id), time.monotonic()))
-        if behaviour == "hold":
+        if behaviour in ("hold", "slow"):
+            # ``slow`` works until the consumer stops; its heartbeat must carry it.
             context.stopping.wait()
 
     consumer = Consumer(community_id, targets, handler, **options)
@@ -93,7 +94,8 @@ def _consumer_process(
         events.put(("ready", "", time.monotonic()))
 
     threading.Thread(target=announce, daemon=True).start()
-    consumer.run(stop=stop.is_set)
+    stats = consumer.run(stop=stop.is_set)
+    events.put(("stats", behaviour, vars(stats)))
 
 
 def _bare_loop_process(
@@ -400,14 +402,22 @@ def _database_now(db: common.BenchDb) -> Any:
         return conn.execute("SELECT clock_timestamp()").fetchone()[0]
 
 
-def _throughput_window(db: common.BenchDb, options: Options, side: str, desc: str) -> float:
+def _throughput_window(
+    db: common.BenchDb, options: Options, side: str, desc: str
+) -> tuple[float, list[dict[str, int]]]:
+    """Deliveries/s settled by the processes of one side, and (consumer side) each
+    consumer's counts: the ones with an empty handler, plus one whose handler runs
+    through the whole window on a delivery of its own, so a heartbeat that loses
+    its race against the load shows as a lost lease."""
     processes = options.workers or CONSUMER_PROCESSES
     with db.connect() as conn:
         common.truncate_deliveries(conn)
         tenant = common.create_tenant(conn, "consume")
         common.seed_deliveries(conn, tenant, _pending_rows(options), state=common.PENDING)
         common.vacuum(conn)
+        slow_tenant = common.create_tenant(conn, "slow")
     fleet = Fleet()
+    stats: list[dict[str, int]] = []
     try:
         for index in range(processes):
             targets = [
@@ -415,12 +425,19 @@ def _throughput_window(db: common.BenchDb, options: Options, side: str, desc: st
                 for j in range(TARGETS_PER_PROCESS)
             ]
             if side == SERVICE:
-                fleet.start_consumer(
-                    db, tenant.community_id, targets, "empty", lease_seconds=60, grace_seconds=5
-                )
+                # The consumer's defaults (lease, heartbeat, poll), as deployed.
+                fleet.start_consumer(db, tenant.community_id, targets, "empty", grace_seconds=5)
             else:
                 fleet.start(_bare_loop_process, db, tenant.community_id, targets)
-        fleet.wait_for("ready", processes)
+        ready = processes
+        if side == SERVICE:
+            slow_target = common.target_key(0)
+            fleet.start_consumer(db, slow_tenant.community_id, [slow_target], "slow")
+            ready += 1
+        fleet.wait_for("ready", ready)
+        if side == SERVICE:
+            _commit_one(slow_tenant, slow_target, "slow-0")
+            fleet.wait_for("slow")
         time.sleep(options.warmup)
         start = _database_now(db)
         time.sleep(options.seconds)
@@ -428,16 +445,31 @@ def _throughput_window(db: common.BenchDb, options: Options, side: str, desc: st
     finally:
         fleet.close()
     count = _finished_between(db, start, end)
-    return count / (end - start).total_seconds()
+    if side == SERVICE:
+        stats = [event[2] for event in _drain(fleet) if event[0] == "stats"]
+    return count / (end - start).total_seconds(), stats
+
+
+def _drain(fleet: Fleet) -> list[tuple]:
+    events = []
+    while True:
+        try:
+            events.append(fleet.events.get(timeout=0.5))
+        except queue_module.Empty:
+            return events
 
 
 def consumer(db: common.BenchDb, options: Options) -> list[Figure]:
     processes = options.workers or CONSUMER_PROCESSES
     rates: dict[str, list[float]] = {SERVICE: [], BASELINE: []}
+    stats: list[dict[str, int]] = []
     for round_ in range(1, options.rounds + 1):
         for side in (BASELINE, SERVICE):
             desc = f"consumer {side} #{round_}"
-            rates[side].append(_throughput_window(db, options, side, desc))
+            rate, counts = _throughput_window(db, options, side, desc)
+            rates[side].append(rate)
+            stats += counts
+    total = {key: sum(s.get(key, 0) for s in stats) for key in ("lost", "renewed", "renew_busy")}
     return [
         Figure(
             "consumer",
@@ -446,7 +478,20 @@ def consumer(db: common.BenchDb, options: Options) -> list[Figure]:
             mean(rates[BASELINE]),
             "deliveries/s",
             bar=0.9,
-        )
+        ),
+        Figure(
+            "consumer",
+            "leases lost by consumers under that load (defaults, one handler runs throughout)",
+            total["lost"],
+            None,
+            "leases",
+            bar=1,
+            bar_below=True,
+            notes=[
+                f"{len(stats)} consumers reported; {total['renewed']} renewals, "
+                f"{total['renew_busy']} busy"
+            ],
+        ),
     ]
 
 

@@ -442,9 +442,8 @@ class Consumer:
 
     def _work(self, index: int) -> None:
         # Each worker thread has its own Django connection, closed when it ends.
-        order = (
-            self.targets[index % len(self.targets) :] + self.targets[: index % len(self.targets)]
-        )
+        # Workers start at different targets and take them in turn (see _claim).
+        turn = [index % len(self.targets)]
         backoff = 0.0
         try:
             while not self._stopping.is_set():
@@ -453,7 +452,7 @@ class Consumer:
                 with self._wake:
                     seen = self._wake_seq
                 try:
-                    claimed = self._claim(order)
+                    claimed = self._claim(turn)
                 except CONNECTION_ERRORS as exc:
                     self._unreserve()
                     self._count("connection_errors")
@@ -479,12 +478,23 @@ class Consumer:
         finally:
             connections[self.using].close()
 
-    def _claim(self, order: list[bytes]) -> tuple[Lease, DeliveryRecord] | None:
-        for target in order:
+    def _claim(self, turn: list[int]) -> tuple[Lease, DeliveryRecord] | None:
+        """One claim, trying each target at most once from ``turn[0]`` on; the next
+        call starts after the target that gave a delivery. Round-robin keeps one
+        target's backlog from starving the others, and an empty target costs a miss
+        only when its turn comes, not before every claim."""
+        count = len(self.targets)
+        start = turn[0]
+        for step in range(count):
+            position = (start + step) % count
             claimed = services.claim_delivery(
-                self.community_id, target, lease_seconds=self.lease_seconds, using=self.using
+                self.community_id,
+                self.targets[position],
+                lease_seconds=self.lease_seconds,
+                using=self.using,
             )
             if claimed is not None:
+                turn[0] = (position + 1) % count
                 return claimed
         return None
 
