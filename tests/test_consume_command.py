@@ -96,6 +96,7 @@ def test_sigterm_stops_it_cleanly():
         (["--max-deliveries", "0"], "--max-deliveries must be a positive whole number"),
         (["--poll-interval", "0"], "--poll-interval must be a positive number"),
         (["--grace-seconds", "-1"], "--grace-seconds must be >= 0"),
+        (["--database", "nowhere"], "is not a configured alias"),
     ],
 )
 def test_bad_arguments_are_command_errors(args, message):

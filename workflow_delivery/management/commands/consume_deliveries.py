@@ -8,6 +8,7 @@ from argparse import ArgumentParser
 from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError
+from django.db import connections
 from django.utils.module_loading import import_string
 
 from workflow_delivery import consumer as consumer_module
@@ -92,6 +93,8 @@ class Command(BaseCommand):
             positive("--max-deliveries", options["max_deliveries"], whole=True)
         if options["grace_seconds"] < 0:
             raise CommandError(f"--grace-seconds must be >= 0, not {options['grace_seconds']}")
+        if options["database"] not in connections:
+            raise CommandError(f"--database {options['database']!r} is not a configured alias")
         if not Community.objects.using(options["database"]).filter(id=community_id).exists():
             raise CommandError(f"--community {community_id} does not exist")
         self._last_line = ""
