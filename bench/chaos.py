@@ -1,7 +1,7 @@
 """Chaos harness: a fleet of producers, agents and a reaper under injected faults.
 
     python bench/chaos.py [--agents 8] [--seconds 60] [--lease 3] [--deliveries 1500]
-                          [--database-url URL] [--allow-restart]
+                          [--database-url URL] [--allow-restart] [--consumers]
 
 Producers commit steps with several targets through ``services.delivery_identity``; agents
 claim, renew at a third of the lease and settle; the reaper returns expired leases. Meanwhile
@@ -10,6 +10,11 @@ agent has settled their delivery, then SIGCONT), drops connections (``pg_termina
 and restarts the database. Every process journals what it saw; at the end the database is
 checked against the journals and the figures are printed. Exit status 1 when a figure that
 must be 0 is not.
+
+With ``--consumers`` the agents are ``workflow_delivery.consumer.Consumer`` processes (wake-ups,
+heartbeats) whose handler writes one row per delivery into an effect table and settles in the
+same ``holding()`` block; the check then also demands exactly one effect row per settled
+delivery, written at the generation that settled it.
 
 Without ``--database-url`` (or ``DATABASE_URL``) the harness starts a throwaway PostgreSQL of
 its own, which it may restart. On a configured server it works in a private database and
@@ -43,6 +48,7 @@ import psycopg  # noqa: E402
 from bench.chaos_check import ChaosReport, check  # noqa: E402
 from bench.chaos_journal import Journal, last_holding, read_all  # noqa: E402
 from bench.chaos_server import ChaosServer, connect  # noqa: E402
+from bench.chaos_worker import EFFECTS_TABLE  # noqa: E402
 
 WORKER = ROOT / "bench" / "chaos_worker.py"
 REAP_COMMAND = ROOT / "workflow_delivery" / "management" / "commands" / "reap_deliveries.py"
@@ -70,6 +76,8 @@ class ChaosConfig:
     # The tenant deleter (a huge step into a tenant that is then deleted while the
     # fleet works); 0 targets leaves it out.
     huge_step_targets: int = 6000
+    consumers: bool = False
+    consumer_poll: float = 1.0
     seed: int = field(default_factory=lambda: random.randrange(1 << 30))
     journal_dir: Path | None = None
 
@@ -189,6 +197,8 @@ class Harness:
             "reap_interval": config.reap_interval,
             "long_work_share": config.long_work_share,
             "idle_poll": config.idle_poll,
+            "agent_kind": "consumer" if config.consumers else "loop",
+            "consumer_poll": config.consumer_poll,
             "seed": config.seed,
             "huge_step_targets": config.huge_step_targets,
             # Early in the window, so the restart at its middle rarely overlaps.
@@ -418,6 +428,16 @@ def migrate(url: str) -> None:
     )
 
 
+def create_effects_table(url: str) -> None:
+    """The consumers' own rows: one per delivery is what the scenario must leave."""
+    with connect(url) as conn:
+        conn.execute(
+            f"CREATE TABLE {EFFECTS_TABLE} (delivery_id uuid NOT NULL, "
+            "generation bigint NOT NULL, pid integer NOT NULL, "
+            "written_at timestamptz NOT NULL DEFAULT clock_timestamp())"
+        )
+
+
 def run(config: ChaosConfig) -> ChaosReport:
     """Run one chaos scenario end to end and return the checked figures."""
     database = f"{os.environ.get('BENCH_DB_PREFIX', 'buzz_chaos')}_{os.getpid()}"
@@ -434,10 +454,17 @@ def run(config: ChaosConfig) -> ChaosReport:
             config.journal_dir.mkdir(parents=True, exist_ok=True)
         run_dir = Path(tempfile.mkdtemp(prefix="chaos-run-", dir=config.journal_dir))
         migrate(server.url)
+        if config.consumers:
+            create_effects_table(server.url)
         harness = Harness(config, server, run_dir)
         harness.run()
         with connect(server.url) as conn:
-            report = check(conn, read_all(harness.journal_dir), harness.fleet.crashes)
+            report = check(
+                conn,
+                read_all(harness.journal_dir),
+                harness.fleet.crashes,
+                effects_table=EFFECTS_TABLE if config.consumers else None,
+            )
         report.describe(config, server, run_dir)
         return report
     finally:
@@ -476,6 +503,12 @@ def parse_args(argv: list[str] | None = None) -> ChaosConfig:
         default=6000,
         help="targets of the deleter's huge step (0: no tenant deletion scenario)",
     )
+    parser.add_argument(
+        "--consumers",
+        action="store_true",
+        help="agents are workflow_delivery.consumer.Consumer processes that write one effect "
+        "row per delivery through holding(); the check then counts effects too",
+    )
     parser.add_argument("--seed", type=int)
     parser.add_argument("--keep-journals", type=Path, help="keep journals and logs under here")
     args = parser.parse_args(argv)
@@ -498,6 +531,7 @@ def parse_args(argv: list[str] | None = None) -> ChaosConfig:
         allow_restart=args.allow_restart,
         journal_dir=args.keep_journals,
         huge_step_targets=args.huge_step,
+        consumers=args.consumers,
     )
     if args.seed is not None:
         config.seed = args.seed

@@ -49,6 +49,11 @@ class ChaosReport:
     probe_reclaim_seconds: float | None = None
     deletion: dict[str, Any] = field(default_factory=dict)
     deletion_failures: list[str] = field(default_factory=list)
+    effects_checked: bool = False
+    effect_rows: int = 0
+    effects_missing: int = 0
+    effects_duplicated: int = 0
+    effects_stale: int = 0
     header: str = ""
 
     MUST_BE_ZERO = (
@@ -59,6 +64,9 @@ class ChaosReport:
         "rule_violations",
         "stale_renews_accepted",
         "stale_finishes_accepted",
+        "effects_missing",
+        "effects_duplicated",
+        "effects_stale",
     )
 
     @property
@@ -132,6 +140,13 @@ class ChaosReport:
                 f"deletion scenario failures      {len(self.deletion_failures)}   (must be 0)",
             ]
             lines += [f"  {failure}" for failure in self.deletion_failures]
+        if self.effects_checked:
+            lines[-1:-1] = [
+                f"effect rows (holding() writes)  {self.effect_rows}",
+                f"settled without an effect row   {self.effects_missing}   (must be 0)",
+                f"settled with several effects    {self.effects_duplicated}   (must be 0)",
+                f"effects of a stale holder       {self.effects_stale}   (must be 0)",
+            ]
         lines += [f"  {error}" for error in self.worker_errors]
         lines.append("RESULT: " + ("ok" if self.ok else "FAILED"))
         return "\n".join(lines)
@@ -162,8 +177,34 @@ SELECT count(*) FROM workflow_agent_deliveries
 """
 
 
+def _check_effects(
+    conn: psycopg.Connection,
+    table: str,
+    rows: dict[str, tuple[str, int, float | None]],
+    report: ChaosReport,
+) -> None:
+    """Exactly one effect row per settled delivery, written by the holder that settled
+    it (same generation); an effect row of any other generation is a stale holder's."""
+    report.effects_checked = True
+    effects: dict[str, list[int]] = defaultdict(list)
+    for delivery_id, generation in conn.execute(f"SELECT delivery_id, generation FROM {table}"):
+        effects[str(delivery_id)].append(generation)
+    report.effect_rows = sum(len(found) for found in effects.values())
+    for delivery_id, (status, generation, _) in rows.items():
+        found = effects.get(delivery_id, [])
+        if status in TERMINAL:
+            report.effects_missing += not found
+            report.effects_duplicated += len(found) > 1
+        report.effects_stale += sum(1 for g in found if status not in TERMINAL or g != generation)
+    report.effects_stale += sum(len(found) for d, found in effects.items() if d not in rows)
+
+
 def check(
-    conn: psycopg.Connection, records: list[dict[str, Any]], crashes: list[str]
+    conn: psycopg.Connection,
+    records: list[dict[str, Any]],
+    crashes: list[str],
+    *,
+    effects_table: str | None = None,
 ) -> ChaosReport:
     report = ChaosReport()
     # The deleter's tenants have their own checks (below), not the fleet's.
@@ -237,6 +278,8 @@ def check(
     report.connections_dropped = dict(Counter(r["role"] for r in records if r["op"] == "drop"))
     report.reconnects = sum(1 for r in records if r["op"] == "conn_error")
     report.restarts = sum(1 for r in records if r["op"] == "restart_end")
+    if effects_table is not None:
+        _check_effects(conn, effects_table, table, report)
     report.worker_errors = [
         f"{r['role']}-{r['index']} (pid {r['pid']}): {r['error']}"
         for r in records

@@ -1,4 +1,5 @@
-"""One process of a chaos run: a producer, an agent, the reaper or the tenant deleter.
+"""One process of a chaos run: a producer, an agent (hand-written, or a ``Consumer``),
+the reaper or the tenant deleter.
 
 Run as ``python bench/chaos_worker.py ROLE CONFIG INDEX``. Each process talks to the database
 only through the service API, journals every outcome it observed, survives dropped connections
@@ -193,6 +194,9 @@ def run_producer(config: dict[str, Any], index: int, journal: Journal) -> None:
 
 
 def run_agent(config: dict[str, Any], index: int, journal: Journal) -> None:
+    if config.get("agent_kind") == "consumer":
+        run_consumer_agent(config, index, journal)
+        return
     from workflow_delivery import services
     from workflow_delivery.protocol import LeaseLost, Outcome, Renewed, Settled
 
@@ -281,6 +285,88 @@ def run_agent(config: dict[str, Any], index: int, journal: Journal) -> None:
             lease_until=lease.lease_until.isoformat(),
         )
         hold(lease)
+
+
+EFFECTS_TABLE = "chaos_effects"
+
+
+def run_consumer_agent(config: dict[str, Any], index: int, journal: Journal) -> None:
+    """An agent built on ``workflow_delivery.consumer.Consumer`` for one community: the
+    handler works a while, then writes one effect row and settles in one ``holding()``
+    block. Heartbeats are the consumer's own (not journaled)."""
+    from django.db import InterfaceError, OperationalError, connection
+
+    from workflow_delivery.consumer import Consumer
+    from workflow_delivery.exceptions import LeaseLostError
+    from workflow_delivery.protocol import Outcome
+
+    lease_seconds = config["lease"]
+    tenant = config["communities"][index % len(config["communities"])]
+    targets = [bytes.fromhex(target) for target in config["targets"]]
+    rng = random.Random()
+
+    def handler(record: Any, lease: Any, context: Any) -> None:
+        journal.write(
+            "claim",
+            id=str(lease.delivery_id),
+            gen=lease.generation,
+            community=str(lease.community_id),
+            step=record.binding.step_id,
+            lease_until=lease.lease_until.isoformat(),
+        )
+        long_job = rng.random() < config["long_work_share"]
+        work = lease_seconds * rng.uniform(0.5, 1.6) if long_job else rng.uniform(0.01, 0.1)
+        # Longer than the lease on purpose now and then: the heartbeat must carry it.
+        context.lost.wait(work)
+        outcome = Outcome.FAILED if rng.random() < 0.1 else Outcome.FINISHED
+
+        def effect_and_finish() -> str:
+            try:
+                with context.holding() as held, connection.cursor() as cursor:
+                    cursor.execute(
+                        f"INSERT INTO {EFFECTS_TABLE} (delivery_id, generation, pid) "
+                        "VALUES (%s, %s, %s)",
+                        [lease.delivery_id, lease.generation, os.getpid()],
+                    )
+                    held.finish(outcome)
+            except LeaseLostError:
+                return "lost"
+            return "settled"
+
+        while True:
+            t0 = time.time()
+            try:
+                result = effect_and_finish()
+            except (OperationalError, InterfaceError) as exc:
+                # The block's fate is unknown (its commit may have landed): try again on
+                # a new connection; the fence refuses the retry if it had.
+                journal.write("conn_error", during="holding", error=str(exc).splitlines()[0])
+                connection.close()
+                if Stop.requested:
+                    journal.write("abandon", id=str(lease.delivery_id), gen=lease.generation)
+                    raise
+                time.sleep(0.1 + random.random() * 0.2)
+                continue
+            break
+        journal.write(
+            "finish",
+            id=str(lease.delivery_id),
+            gen=lease.generation,
+            t0=t0,
+            outcome=outcome.value,
+            result=result,
+        )
+
+    consumer = Consumer(
+        tenant["id"],
+        targets,
+        handler,
+        lease_seconds=lease_seconds,
+        poll_interval=config["consumer_poll"],
+        grace_seconds=lease_seconds,
+    )
+    stats = consumer.run(stop=lambda: Stop.requested)
+    journal.write("consumer_stats", **vars(stats))
 
 
 def run_reaper(config: dict[str, Any], index: int, journal: Journal) -> None:

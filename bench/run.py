@@ -20,6 +20,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench import common
 from bench.benchmarks import BENCHMARKS, Figure, Options
+from bench.consumer_bench import CONSUMER_BENCHMARKS
+
+BENCHMARKS = {**BENCHMARKS, **CONSUMER_BENCHMARKS}
 
 POSTGRES_SETTINGS = [
     "shared_buffers",

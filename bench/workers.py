@@ -214,11 +214,36 @@ def _baseline_produce(spec: Spec) -> tuple[Unit, Callable[[], None]]:
     return unit, conn.close
 
 
+def _notify_produce(
+    on: bool, in_transaction: bool = False
+) -> Callable[[Spec], tuple[Unit, Callable[[], None]]]:
+    """The service producer with WORKFLOW_DELIVERY_NOTIFY (and _IN_TRANSACTION) set
+    for each step: read on access, so both sides can take turns in one process."""
+
+    def build(spec: Spec) -> tuple[Unit, Callable[[], None]]:
+        unit, close = _service_produce(spec)
+        from django.conf import settings
+
+        def toggled(n: int) -> tuple[int, float, float]:
+            settings.WORKFLOW_DELIVERY_NOTIFY = on
+            settings.WORKFLOW_DELIVERY_NOTIFY_IN_TRANSACTION = in_transaction
+            return unit(n)
+
+        return toggled, close
+
+    return build
+
+
 _LOOPS = {
     ("cycle", SERVICE): _service_cycle,
     ("cycle", BASELINE): _baseline_cycle,
     ("produce", SERVICE): _service_produce,
     ("produce", BASELINE): _baseline_produce,
+    # Wake-ups on (service side: after the commit / in the transaction) against off.
+    ("produce-notify", SERVICE): _notify_produce(True),
+    ("produce-notify", BASELINE): _notify_produce(False),
+    ("produce-notify-tx", SERVICE): _notify_produce(True, in_transaction=True),
+    ("produce-notify-tx", BASELINE): _notify_produce(False),
 }
 
 

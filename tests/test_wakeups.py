@@ -5,7 +5,7 @@ from __future__ import annotations
 import uuid
 
 import pytest
-from django.db import connection
+from django.db import connection, transaction
 
 from tests import factories
 from workflow_delivery import services
@@ -18,8 +18,11 @@ pytestmark = pytest.mark.django_db(transaction=True)
 QUIET_SECONDS = 0.3
 
 
-@pytest.fixture
-def listener():
+@pytest.fixture(params=["after commit", "in transaction"])
+def listener(request, settings):
+    """A listening session, with the producer sending either way."""
+    settings.WORKFLOW_DELIVERY_NOTIFY = True
+    settings.WORKFLOW_DELIVERY_NOTIFY_IN_TRANSACTION = request.param == "in transaction"
     with WakeListener() as listening:
         yield listening
 
@@ -75,6 +78,26 @@ def test_identity_block_wakes_on_commit_only(listener):
         # Inserted but not committed: PostgreSQL holds the notification back.
         assert listener.wait(QUIET_SECONDS) == []
     assert set(drain(listener)) == hints_for(step, deliveries)
+
+
+def test_a_commit_inside_the_callers_transaction_wakes_after_that_commits(listener):
+    step = factories.Step(targets=1)
+    with transaction.atomic():
+        deliveries = factories.committed(step)
+        assert listener.wait(QUIET_SECONDS) == []
+    assert set(drain(listener)) == hints_for(step, deliveries)
+
+
+def test_a_commit_in_a_rolled_back_savepoint_wakes_nobody(listener):
+    step = factories.Step(targets=1)
+    with transaction.atomic():
+        try:
+            with transaction.atomic():
+                factories.committed(step)
+                raise RuntimeError("undo the savepoint")
+        except RuntimeError:
+            pass
+    assert listener.wait(QUIET_SECONDS) == []
 
 
 def test_rolled_back_commit_wakes_nobody(listener):

@@ -14,8 +14,10 @@ DEFAULTS: dict[str, Any] = {
     "REAP_INTERVAL_SECONDS": 5.0,
     "REAP_YIELD_RATIO": 1.0,
     "PREPARED_STATEMENTS": True,
-    # Producer commits send a wake-up per created delivery (see wakeups.py).
+    # Producer commits send a wake-up per created delivery (see wakeups.py): right
+    # after the commit, or (IN_TRANSACTION) from the insert itself, which costs more.
     "NOTIFY": True,
+    "NOTIFY_IN_TRANSACTION": False,
 }
 
 

@@ -93,5 +93,20 @@ class IsolationLevelError(WorkflowDeliveryError):
     """A fenced operation ran outside READ COMMITTED isolation."""
 
 
+class LeaseLostError(WorkflowDeliveryError):
+    """``holding()`` refused: the lease is not live (expired, reaped, released,
+    superseded or settled), so nothing written in the block commits.
+
+    The result value ``LeaseLost`` stays what renew and finish return."""
+
+    def __init__(self, lease: object, message: str | None = None) -> None:
+        self.lease = lease
+        delivery = getattr(lease, "delivery_id", None)
+        generation = getattr(lease, "generation", None)
+        super().__init__(
+            message or f"the lease on delivery {delivery} (generation {generation}) is not live"
+        )
+
+
 class WorkflowDeliveryConfigurationError(ImproperlyConfigured):
     """A WORKFLOW_DELIVERY_* setting is unusable."""

@@ -7,17 +7,26 @@ miss, a lost lease) are values; database rule violations become named exceptions
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from datetime import datetime
+from functools import partial
+from typing import Any
 from uuid import UUID
 
-from django.db import DEFAULT_DB_ALIAS, transaction
+from django.db import DEFAULT_DB_ALIAS, DatabaseError, transaction
 
 from . import db, sql
 from .conf import LEASE_SECONDS_BOUND, app_settings, is_whole_number, is_yield_ratio
-from .exceptions import BindingScopeError, InvalidLeaseSeconds, ProtocolError, StepIdentityClosed
+from .exceptions import (
+    BindingScopeError,
+    InvalidLeaseSeconds,
+    LeaseLostError,
+    ProtocolError,
+    StepIdentityClosed,
+)
 from .models import WorkflowAgentDelivery
 from .protocol import (
     AlreadyTerminal,
@@ -35,8 +44,12 @@ from .protocol import (
     as_step_id,
     as_uuid,
 )
+from .wakeups import WAKE_CHANNEL, format_wake
+
+logger = logging.getLogger(__name__)
 
 __all__ = [
+    "Held",
     "StepIdentity",
     "claim_delivery",
     "commit_deliveries",
@@ -44,8 +57,10 @@ __all__ = [
     "fail_deliveries",
     "finish_delivery",
     "get_delivery",
+    "holding",
     "reap_expired_deliveries",
     "release_deliveries",
+    "release_lease",
     "renew_delivery",
 ]
 
@@ -81,10 +96,35 @@ def _new_deliveries(deliveries: object) -> list[NewDelivery]:
     return batch
 
 
-def _producer_statement(insert: str) -> str:
-    """The insert itself, or (``WORKFLOW_DELIVERY_NOTIFY``) the insert that also sends
-    a wake-up per created row; either returns the created ids in its first column."""
-    return sql.notifying(insert) if app_settings.NOTIFY else insert
+def _insert_deliveries(cursor: Any, insert: str, params: list[object], using: str) -> list[UUID]:
+    """Run a delivery insert (rows: id, community_id, target_pubkey) and return the
+    created ids, with a wake-up per created row when ``WORKFLOW_DELIVERY_NOTIFY`` is on.
+
+    By default the wake-ups go out right after the transaction commits, in a statement
+    of their own (``on_commit``; a rollback drops them). With
+    ``WORKFLOW_DELIVERY_NOTIFY_IN_TRANSACTION`` the insert itself sends them, so they
+    are part of the commit, at the price PostgreSQL charges for that: a transaction
+    that notifies holds a global lock through its commit's WAL flush, which
+    serialises every notifying producer's commits."""
+    in_statement = app_settings.NOTIFY and app_settings.NOTIFY_IN_TRANSACTION
+    cursor.execute(sql.notifying(insert) if in_statement else insert, params)
+    rows = cursor.fetchall()
+    if rows and app_settings.NOTIFY and not in_statement:
+        payloads = [format_wake(community, target, id_) for id_, community, target in rows]
+        transaction.on_commit(partial(_send_wakes, payloads, using), using=using)
+    return [row[0] for row in rows]
+
+
+def _send_wakes(payloads: list[str], using: str) -> None:
+    # After the commit, in a transaction of its own that does not wait for its WAL
+    # flush (see sql.SEND_WAKES), so producers do not queue on the notify lock. The
+    # deliveries are committed whatever happens here; a wake-up lost to an error is
+    # what polling is for, so it is logged, never raised to the producer.
+    try:
+        with db.cursor(using) as cursor:
+            cursor.execute(sql.SEND_WAKES, [WAKE_CHANNEL, payloads])
+    except DatabaseError:
+        logger.warning("wake-ups for %s deliveries were not sent", len(payloads), exc_info=True)
 
 
 class StepIdentity:
@@ -180,8 +220,7 @@ class StepIdentity:
             )
         params = self._values(message_event_created_at, _new_deliveries(deliveries))
         with db.cursor(self._using, savepoint=False) as cursor:
-            cursor.execute(_producer_statement(sql.INSERT_DELIVERIES), params)
-            created = [row[0] for row in cursor.fetchall()]
+            created = _insert_deliveries(cursor, sql.INSERT_DELIVERIES, params, self._using)
         if created:
             self.exists = True
         return created
@@ -232,9 +271,7 @@ def commit_deliveries(
     # One statement takes the step's identity lock and inserts every row: in
     # autocommit it is its own transaction (all rows or none), else the caller's.
     with db.cursor(using) as cursor:
-        statement = _producer_statement(sql.LOCK_AND_INSERT_DELIVERIES)
-        cursor.execute(statement, [*lock, *params])
-        return [row[0] for row in cursor.fetchall()]
+        return _insert_deliveries(cursor, sql.LOCK_AND_INSERT_DELIVERIES, [*lock, *params], using)
 
 
 def _claim_filters(
@@ -346,6 +383,85 @@ def finish_delivery(
     return LeaseLost()
 
 
+class Held:
+    """The row lock of a live lease inside ``holding()``; ``finish`` settles there."""
+
+    def __init__(self, lease: Lease, using: str) -> None:
+        self.lease = lease
+        self.settled: Settled | None = None
+        self.refused = False
+        self._using = using
+
+    def __repr__(self) -> str:
+        return f"Held(delivery_id={self.lease.delivery_id}, settled={self.settled})"
+
+    def finish(self, outcome: Outcome | str) -> Settled:
+        """Settle the delivery in the block's transaction: it commits with the block's
+        other writes. Raises ``LeaseLostError`` if the lease ran out during the block
+        (the block then rolls back, even if the caller catches it)."""
+        try:
+            outcome = Outcome(outcome)
+        except ValueError:
+            raise ProtocolError("outcome", f"must be finished or failed, not {outcome!r}") from None
+        if self.settled is not None:
+            raise ProtocolError("outcome", "this block has already settled its delivery")
+        with db.cursor(self._using, savepoint=False) as cursor:
+            cursor.execute(sql.HELD_FINISH, [outcome.value, *_lease_params(self.lease)])
+            settled = cursor.fetchone() is not None
+        if not settled:
+            self.refused = True
+            raise LeaseLostError(self.lease, "the lease ran out inside the holding() block")
+        self.settled = Settled(outcome=outcome)
+        return self.settled
+
+
+@contextmanager
+def holding(lease: Lease, *, using: str = DEFAULT_DB_ALIAS) -> Iterator[Held]:
+    """Lease-fenced effects: a transaction that holds the delivery's row while the
+    lease is live. The caller's writes in the block, and ``held.finish(outcome)``,
+    commit together, or not at all.
+
+    Entry locks the row (``FOR UPDATE``, waiting behind a brief locker such as a renew
+    or the reaper) only while the lease is live, then asks again on its own clock:
+    a lease reaped, released, superseded or settled before the block, or one that ran
+    out while the block waited for the row, raises ``LeaseLostError``. While the block
+    holds the row the reaper skips it and no newer holder can exist. A block that does
+    not finish asks once more before it commits and rolls back (``LeaseLostError``)
+    if the lease ran out inside it. So effects written inside ``holding()`` commit
+    only under the live lease, and a block that finishes the delivery is the last any
+    holder can commit: an effect written in that block happens exactly once.
+
+    The row lock also holds back the holder's own heartbeat (``renew_delivery`` waits
+    for it), so renew just before entering and keep the block well inside the lease.
+    Nested in a caller's transaction, the block is a savepoint and the row stays
+    locked until that transaction ends.
+    """
+    params = _lease_params(lease)
+    with transaction.atomic(using=using):
+        # Lock, then re-check: the locking statement's WHERE is re-read after a wait
+        # but against the clock of its start, so expiry during the wait shows only
+        # to a second statement. Both run in this block's transaction.
+        with db.cursor(using, savepoint=False) as cursor:
+            cursor.execute(sql.HOLD_LOCK, params)
+            locked = cursor.fetchone() is not None
+            if locked:
+                cursor.execute(sql.HELD_LIVE, params)
+                locked = cursor.fetchone() is not None
+        if not locked:
+            raise LeaseLostError(lease)
+        held = Held(lease, using)
+        yield held
+        if held.refused:
+            raise LeaseLostError(lease, "the lease ran out inside the holding() block")
+        if held.settled is None:
+            # The row is still ours, so this answer holds until the commit.
+            with db.cursor(using, savepoint=False) as cursor:
+                cursor.execute(sql.HELD_LIVE, params)
+                live = cursor.fetchone() is not None
+            if not live:
+                raise LeaseLostError(lease, "the lease ran out inside the holding() block")
+
+
 def reap_expired_deliveries(
     *,
     batch_size: int | None = None,
@@ -426,6 +542,15 @@ def release_deliveries(
     """Operator release: claimed rows of an active community go back to pending with
     the fence bumped, so their live holders are fenced out. Returns the ids released."""
     return _operator_update(sql.RELEASE, community_id, delivery_ids, using)
+
+
+def release_lease(lease: Lease, *, using: str = DEFAULT_DB_ALIAS) -> bool:
+    """The holder gives its live lease back: the delivery returns to pending with the
+    fence bumped. False (nothing changed) when the lease was no longer live."""
+    params = _lease_params(lease)
+    with db.cursor(using) as cursor:
+        cursor.execute(sql.RELEASE_LEASE, params)
+        return cursor.fetchone() is not None
 
 
 def fail_deliveries(

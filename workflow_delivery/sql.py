@@ -116,14 +116,25 @@ SELECT v.* FROM ({_INSERT_ROWS}) AS v CROSS JOIN step_lock
 def notifying(insert: str) -> str:
     """Wrap a delivery insert (``… RETURNING id, community_id, target_pubkey``) so the
     same statement sends one wake-up per row it created, on ``WAKE_CHANNEL``, and still
-    returns the created ids first. A NOTIFY is queued with the transaction: PostgreSQL
-    delivers it on commit and drops it on rollback; a skipped duplicate returns no row,
-    so it sends nothing."""
+    returns the created ids first (``WORKFLOW_DELIVERY_NOTIFY_IN_TRANSACTION``). A
+    NOTIFY is queued with the transaction: PostgreSQL delivers it on commit and drops
+    it on rollback; a skipped duplicate returns no row, so it sends nothing."""
     payload = "created.community_id::text || ':' || encode(created.target_pubkey, 'hex') || ':' "
     payload += "|| created.id::text"
     return f"""
 WITH created AS ({insert.strip()})
 SELECT created.id, pg_notify('{WAKE_CHANNEL}', {payload}) FROM created
+"""
+
+
+# Wake-ups sent after the producer's commit, one per payload, in one statement of
+# its own transaction. PostgreSQL gives a notifying transaction an xid, so its commit
+# would wait for a WAL flush while holding the notify queue's global lock; nothing
+# here needs to be durable (the deliveries already are), so this one commit skips the
+# wait and the lock is held for an instant.
+SEND_WAKES = """
+WITH no_flush AS MATERIALIZED (SELECT set_config('synchronous_commit', 'off', true))
+SELECT pg_notify(%s, payload) FROM no_flush, unnest(%s::text[]) AS payload
 """
 
 
@@ -173,6 +184,30 @@ FINISH = f"""
 UPDATE {DELIVERIES}
    SET status = %s, {_SETTLE}
  WHERE {_LIVE_LEASE}
+RETURNING status
+"""
+
+# holding(): the same four conditions against each statement's own clock. Inside the
+# block's transaction now() stands still at the block's start, so time spent waiting
+# for the row or working in the block would not count against the lease.
+_LIVE_LEASE_AT_STATEMENT = """
+  community_id = %s AND id = %s AND target_pubkey = %s AND lease_generation = %s
+  AND status = 'claimed' AND lease_until >= statement_timestamp()
+"""
+
+# Lock the row of a live lease until the block's transaction ends. A wait behind
+# another locker ends with the WHERE re-read on the row as that locker left it (a
+# reap or release bumped the generation: no row), but against this statement's start.
+HOLD_LOCK = f"SELECT lease_until FROM {DELIVERIES} WHERE {_LIVE_LEASE_AT_STATEMENT} FOR UPDATE"
+
+# Asked once the lock is ours, and again before an unfinished block commits: the
+# lease may have run out meanwhile, and nobody else can change the row now.
+HELD_LIVE = f"SELECT lease_until FROM {DELIVERIES} WHERE {_LIVE_LEASE_AT_STATEMENT}"
+
+HELD_FINISH = f"""
+UPDATE {DELIVERIES}
+   SET status = %s, finished_at = statement_timestamp(), lease_until = NULL, claimed_at = NULL
+ WHERE {_LIVE_LEASE_AT_STATEMENT}
 RETURNING status
 """
 
@@ -257,6 +292,15 @@ RELEASE = f"""{_OPERABLE}
    SET {_BACK_TO_PENDING}
  WHERE d.community_id = %s AND d.id = ANY(%s) AND d.status = 'claimed'
    AND (SELECT ok FROM operable)
+RETURNING d.id
+"""
+
+# A holder giving its own live lease back (a consumer stopping): back to pending,
+# fence bumped, and only at the holder's generation, so a newer holder is untouched.
+RELEASE_LEASE = f"""
+UPDATE {DELIVERIES} AS d
+   SET {_BACK_TO_PENDING}
+ WHERE {_LIVE_LEASE}
 RETURNING d.id
 """
 

@@ -1,8 +1,10 @@
 """Wake-ups: the producer's commit notifies, a consumer listens and claims sooner.
 
 A commit that creates deliveries sends one notification per created row on
-``WAKE_CHANNEL`` from the inserting statement itself, so PostgreSQL delivers them only
-if, and when, that transaction commits. The payload is identifiers only
+``WAKE_CHANNEL``: by default right after its transaction commits (``on_commit``, in a
+statement of its own), or with ``WORKFLOW_DELIVERY_NOTIFY_IN_TRANSACTION`` from the
+inserting statement itself, which PostgreSQL delivers on commit. Either way a
+rolled-back commit sends nothing. The payload is identifiers only
 (``<community uuid>:<target hex>:<delivery uuid>``), never content. A wake is an
 accelerator: the claim it prompts goes through the ordinary claim path, and polling
 stays the source of truth, so a missed notification only delays a claim until the next
@@ -46,8 +48,12 @@ class WakeHint:
 
 
 def format_wake(community_id: UUID | str, target_pubkey: bytes, delivery_id: UUID | str) -> str:
-    """The payload the producer's statement sends (built there in SQL, same shape)."""
-    return f"{UUID(str(community_id))}:{bytes(target_pubkey).hex()}:{UUID(str(delivery_id))}"
+    """The payload of one wake-up (``sql.notifying`` builds the same text in SQL)."""
+    if not isinstance(community_id, UUID):
+        community_id = UUID(str(community_id))
+    if not isinstance(delivery_id, UUID):
+        delivery_id = UUID(str(delivery_id))
+    return f"{community_id}:{bytes(target_pubkey).hex()}:{delivery_id}"
 
 
 def _canonical_uuid(text: str) -> UUID | None:

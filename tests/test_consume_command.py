@@ -1,0 +1,112 @@
+"""``manage.py consume_deliveries`` through call_command, on real PostgreSQL."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import uuid
+from io import StringIO
+
+import pytest
+from django.core.management import CommandError, call_command
+from django.db import connection
+
+from tests import factories
+from tests.consumer_handlers import CREATE_EFFECTS, EFFECTS
+from workflow_delivery.models import WorkflowAgentDelivery
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+HANDLERS = "tests.consumer_handlers"
+
+
+@pytest.fixture
+def effects():
+    with connection.cursor() as cursor:
+        cursor.execute(CREATE_EFFECTS)
+    yield
+    with connection.cursor() as cursor:
+        cursor.execute(f"DROP TABLE {EFFECTS}")
+
+
+def consume(step: factories.Step, *extra: str, handler: str = "write_effect") -> str:
+    out = StringIO()
+    targets = [arg for target in step.targets for arg in ("--target", target.hex())]
+    call_command(
+        "consume_deliveries",
+        "--community",
+        str(step.community.id),
+        *targets,
+        "--handler",
+        f"{HANDLERS}.{handler}",
+        "--lease-seconds",
+        "2",
+        *extra,
+        stdout=out,
+    )
+    return out.getvalue()
+
+
+def test_consumes_up_to_max_deliveries_and_summarises(effects):
+    step = factories.Step(targets=3)
+    deliveries = factories.committed(step)
+    output = consume(step, "--max-deliveries", "3", "--concurrency", "2")
+    summary = output.strip().splitlines()[-1]
+    assert summary.startswith("done: claimed=3 finished=3 failed=0 lost=0")
+    with connection.cursor() as cursor:
+        cursor.execute(f"SELECT delivery_id, count(*) FROM {EFFECTS} GROUP BY delivery_id")
+        assert dict(cursor.fetchall()) == {d.id: 1 for d in deliveries}
+    assert set(WorkflowAgentDelivery.objects.values_list("status", flat=True)) == {"finished"}
+
+
+def test_a_failing_handler_settles_failed():
+    step = factories.Step(targets=1)
+    factories.committed(step)
+    output = consume(step, "--max-deliveries", "1", handler="refuse")
+    assert "failed=1" in output.strip().splitlines()[-1]
+    assert WorkflowAgentDelivery.objects.get().status == "failed"
+
+
+def test_sigterm_stops_it_cleanly():
+    step = factories.Step(targets=1)
+    timer = threading.Timer(1.0, os.kill, [os.getpid(), signal.SIGTERM])
+    timer.start()
+    try:
+        output = consume(step, "--poll-interval", "0.2", handler="do_nothing")
+    finally:
+        timer.cancel()
+    assert output.strip().splitlines()[-1].startswith("stopped by SIGTERM: claimed=0")
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--community", "nope"], "--community must be a community UUID"),
+        (["--community", str(uuid.uuid4())], "does not exist"),
+        (["--target", "ab"], "--target must be 64 lowercase hex"),
+        (["--target", "AB" * 32], "--target must be 64 lowercase hex"),
+        (["--target", "zz" * 32], "--target must be 64 lowercase hex"),
+        (["--handler", "tests.consumer_handlers.missing"], "cannot be imported"),
+        (["--handler", "nodots"], "cannot be imported"),
+        (["--handler", "tests.consumer_handlers.not_callable"], "is not callable"),
+        (["--lease-seconds", "0"], "--lease-seconds must be a positive whole number"),
+        (["--lease-seconds", "99999999"], "lease_seconds: must be between"),
+        (["--concurrency", "0"], "--concurrency must be a positive whole number"),
+        (["--max-deliveries", "0"], "--max-deliveries must be a positive whole number"),
+        (["--poll-interval", "0"], "--poll-interval must be a positive number"),
+        (["--grace-seconds", "-1"], "--grace-seconds must be >= 0"),
+        (["--database", "nowhere"], "is not a configured alias"),
+    ],
+)
+def test_bad_arguments_are_command_errors(args, message):
+    step = factories.Step(targets=1)
+    base = {
+        "--community": str(step.community.id),
+        "--target": step.targets[0].hex(),
+        "--handler": f"{HANDLERS}.do_nothing",
+    }
+    base.update(dict(zip(args[::2], args[1::2], strict=True)))
+    argv = [item for pair in base.items() for item in pair]
+    with pytest.raises(CommandError, match=message):
+        call_command("consume_deliveries", *argv, stdout=StringIO())

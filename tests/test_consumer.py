@@ -1,0 +1,287 @@
+"""The consumer on real PostgreSQL: wake-ups, polling, heartbeats, loss, stopping."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+from django.db import connection
+
+from tests import factories
+from tests.consumer_handlers import CREATE_EFFECTS, EFFECTS, write_effect
+from workflow_delivery import services
+from workflow_delivery.consumer import Consumer, ConsumerStats, DeliveryContext
+from workflow_delivery.exceptions import LeaseLostError, ProtocolError
+from workflow_delivery.models import WorkflowAgentDelivery
+from workflow_delivery.protocol import DeliveryRecord, DeliveryStatus, Lease
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+@pytest.fixture
+def effects() -> Iterator[None]:
+    with connection.cursor() as cursor:
+        cursor.execute(CREATE_EFFECTS)
+    yield
+    with connection.cursor() as cursor:
+        cursor.execute(f"DROP TABLE {EFFECTS}")
+
+
+def effect_count(delivery_id) -> int:
+    with connection.cursor() as cursor:
+        cursor.execute(f"SELECT count(*) FROM {EFFECTS} WHERE delivery_id = %s", [delivery_id])
+        return cursor.fetchone()[0]
+
+
+def status(delivery_id) -> DeliveryStatus:
+    return DeliveryStatus(WorkflowAgentDelivery.objects.get(id=delivery_id).status)
+
+
+class Running:
+    """A consumer's ``run()`` on a thread of its own; stopped and joined on exit."""
+
+    def __init__(self, consumer: Consumer) -> None:
+        self.consumer = consumer
+        self.stats: ConsumerStats | None = None
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        try:
+            self.stats = self.consumer.run()
+        finally:
+            connection.close()
+
+    def __enter__(self) -> Running:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.consumer.stop()
+        self.join()
+
+    def join(self, timeout: float = 20) -> ConsumerStats:
+        self.thread.join(timeout)
+        assert not self.thread.is_alive(), "the consumer did not stop"
+        assert self.stats is not None
+        return self.stats
+
+
+def eventually(check: Callable[[], Any], seconds: float = 5.0) -> Any:
+    deadline = time.monotonic() + seconds
+    while True:
+        value = check()
+        if value or time.monotonic() > deadline:
+            return value
+        time.sleep(0.02)
+
+
+class Recorder:
+    """A handler that notes when it ran, and what it saw."""
+
+    def __init__(self, body: Callable[[DeliveryRecord, Lease, DeliveryContext], Any] | None = None):
+        self.body = body
+        self.started: dict[Any, float] = {}
+        self.seen: dict[str, Any] = {}
+        self.entered = threading.Event()
+
+    def __call__(self, record: DeliveryRecord, lease: Lease, context: DeliveryContext) -> None:
+        self.started[record.id] = time.monotonic()
+        self.entered.set()
+        if self.body is not None:
+            self.body(record, lease, context)
+
+
+def consumer_for(step: factories.Step, handler, **options: Any) -> Consumer:
+    options.setdefault("lease_seconds", 2)
+    options.setdefault("grace_seconds", 2)
+    return Consumer(step.community.id, step.targets, handler, **options)
+
+
+def test_a_wake_up_claims_at_once_despite_a_long_poll(db):
+    step = factories.Step(targets=1)
+    handler = Recorder()
+    with Running(consumer_for(step, handler, poll_interval=30)) as running:
+        assert running.consumer.listening.wait(5)
+        time.sleep(0.3)  # the worker's first poll found nothing; it now waits 30 s
+        committed_at = time.monotonic()
+        (delivery,) = factories.committed(step)
+        assert eventually(lambda: delivery.id in handler.started, 5)
+        assert handler.started[delivery.id] - committed_at < 1.0
+        assert eventually(lambda: status(delivery.id) == DeliveryStatus.FINISHED)
+    assert running.stats.finished == 1
+
+
+def test_with_notifications_off_a_poll_still_claims(db, settings):
+    settings.WORKFLOW_DELIVERY_NOTIFY = False
+    step = factories.Step(targets=2)
+    handler = Recorder()
+    with Running(consumer_for(step, handler, poll_interval=0.3)) as running:
+        assert running.consumer.listening.wait(5)
+        time.sleep(0.4)
+        deliveries = factories.committed(step)
+        assert eventually(lambda: len(handler.started) == 2, 5)
+        assert eventually(lambda: all(status(d.id) == DeliveryStatus.FINISHED for d in deliveries))
+    assert running.stats.finished == 2
+
+
+def test_heartbeats_keep_a_handler_three_times_the_lease_alive(db):
+    step = factories.Step(targets=1)
+    (delivery,) = factories.committed(step)
+
+    def slow(record, lease, context) -> None:
+        deadline = time.monotonic() + 6.0
+        while time.monotonic() < deadline:
+            # The reaper runs all along: a heartbeat that missed would lose the row.
+            services.reap_expired_deliveries()
+            time.sleep(0.2)
+        handler.seen["lost"] = context.lost.is_set()
+
+    handler = Recorder(slow)
+    with Running(consumer_for(step, handler, lease_seconds=2, max_deliveries=1)) as running:
+        stats = running.join(20)
+    assert handler.seen == {"lost": False}
+    assert stats.finished == 1 and stats.lost == 0
+    assert stats.renewed >= 6
+    assert status(delivery.id) == DeliveryStatus.FINISHED
+
+
+def test_an_operator_release_is_seen_and_its_writes_do_not_commit(db, effects):
+    step = factories.Step(targets=1)
+    (delivery,) = factories.committed(step)
+
+    def released_under_it(record, lease, context) -> None:
+        handler.seen["lost_in_time"] = context.lost.wait(5)
+        try:
+            write_effect(record, lease, context)
+        except LeaseLostError:
+            handler.seen["holding"] = "refused"
+
+    handler = Recorder(released_under_it)
+    with Running(consumer_for(step, handler, lease_seconds=3, max_deliveries=1)) as running:
+        assert handler.entered.wait(5)
+        assert services.release_deliveries(step.community.id, [delivery.id]) == [delivery.id]
+        stats = running.join(20)
+    assert handler.seen == {"lost_in_time": True, "holding": "refused"}
+    assert effect_count(delivery.id) == 0
+    assert stats.lost == 1 and stats.finished == 0
+    assert status(delivery.id) == DeliveryStatus.PENDING
+
+
+def test_effects_through_holding_and_failures_settle(db, effects):
+    good = factories.Step(targets=2)
+    finished = factories.committed(good)
+    with Running(consumer_for(good, write_effect, concurrency=2, max_deliveries=2)) as running:
+        stats = running.join(20)
+    assert stats.finished == 2 and stats.claimed == 2
+    assert [effect_count(d.id) for d in finished] == [1, 1]
+
+    bad = factories.Step(targets=1)
+    (failing,) = factories.committed(bad)
+
+    def refuse(record, lease, context) -> None:
+        raise RuntimeError("no")
+
+    with Running(consumer_for(bad, refuse, max_deliveries=1)) as running:
+        stats = running.join(20)
+    assert stats.failed == 1
+    assert status(failing.id) == DeliveryStatus.FAILED
+
+
+def test_a_stop_lets_a_short_handler_finish_and_releases_a_long_one(db):
+    step = factories.Step(targets=2)
+    quick, slow = factories.committed(step)
+    go = threading.Event()
+
+    def body(record, lease, context) -> None:
+        assert context.stopping.wait(10)
+        if record.id == slow.id:
+            handler.seen["slow_lost"] = context.lost.wait(10)
+        go.set()
+
+    handler = Recorder(body)
+    consumer = consumer_for(step, handler, concurrency=2, grace_seconds=0.5)
+    with Running(consumer) as running:
+        assert eventually(lambda: len(handler.started) == 2, 5)
+        started = time.monotonic()
+        consumer.stop()
+        stats = running.join(10)
+        assert time.monotonic() - started < 5
+    assert stats.finished == 1 and stats.released == 1
+    assert status(quick.id) == DeliveryStatus.FINISHED
+    assert status(slow.id) == DeliveryStatus.PENDING
+    assert eventually(lambda: handler.seen.get("slow_lost") is True, 5)
+
+
+@pytest.mark.parametrize(
+    ("option", "value"),
+    [
+        ("lease_seconds", 0),
+        ("concurrency", 0),
+        ("poll_interval", 0),
+        ("max_deliveries", -1),
+        ("grace_seconds", -1),
+    ],
+)
+def test_bad_options_name_the_field(db, option, value):
+    step = factories.Step(targets=1)
+    field = "lease_seconds" if option == "lease_seconds" else option
+    with pytest.raises(ProtocolError) as error:
+        consumer_for(step, write_effect, **{option: value})
+    assert error.value.field == field
+
+
+def test_bad_targets_and_handler_are_refused(db):
+    step = factories.Step(targets=1)
+    with pytest.raises(ProtocolError, match="targets"):
+        Consumer(step.community.id, [], write_effect)
+    with pytest.raises(ProtocolError, match="targets"):
+        Consumer(step.community.id, [b"short"], write_effect)
+    with pytest.raises(ProtocolError, match="handler"):
+        Consumer(step.community.id, step.targets, 42)  # type: ignore[arg-type]
+
+
+def test_it_reconnects_after_its_sessions_are_killed(db):
+    step = factories.Step(targets=1)
+    handler = Recorder()
+    with Running(consumer_for(step, handler, poll_interval=0.3)) as running:
+        assert running.consumer.listening.wait(5)
+        time.sleep(0.3)
+        with connection.cursor() as cursor:
+            # Every session of this test database but our own: the consumer's worker,
+            # heartbeat and listener.
+            cursor.execute(
+                "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity "
+                "WHERE datname = current_database() AND pid <> pg_backend_pid()"
+            )
+            assert cursor.fetchone()[0] >= 2
+        deliveries = factories.committed(step)
+        assert eventually(lambda: len(handler.started) == 1, 10)
+        assert eventually(lambda: status(deliveries[0].id) == DeliveryStatus.FINISHED, 5)
+    assert running.stats.finished == 1
+    assert running.stats.connection_errors >= 1
+
+
+def test_a_heartbeat_behind_the_handlers_own_block_is_busy_not_lost(db, effects):
+    step = factories.Step(targets=1)
+    (delivery,) = factories.committed(step)
+
+    def long_block(record, lease, context) -> None:
+        with context.holding() as held:
+            # The block holds the row across at least one beat (every 2/3 s).
+            time.sleep(1.2)
+            with connection.cursor() as cursor:
+                cursor.execute(
+                    f"INSERT INTO {EFFECTS} (delivery_id, generation) VALUES (%s, %s)",
+                    [lease.delivery_id, lease.generation],
+                )
+            held.finish("finished")
+
+    with Running(consumer_for(step, long_block, lease_seconds=2, max_deliveries=1)) as running:
+        stats = running.join(20)
+    assert stats.renew_busy >= 1, stats
+    assert stats.finished == 1 and stats.lost == 0, stats
+    assert effect_count(delivery.id) == 1
+    assert status(delivery.id) == DeliveryStatus.FINISHED

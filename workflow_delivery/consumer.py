@@ -1,0 +1,560 @@
+"""The agent's side: a loop that claims, runs a handler under a heartbeat, and settles.
+
+``Consumer(community_id, targets, handler)`` runs ``concurrency`` worker threads, each
+claiming the oldest pending delivery of its targets on a connection of its own and
+calling ``handler(record, lease, context)``. A handler that returns settles the
+delivery ``finished``; one that raises settles it ``failed``; a lease lost meanwhile
+settles nothing (the delivery is someone else's now). ``context.lost`` is set as soon
+as the consumer learns the lease is gone, and ``context.holding()`` gives the
+handler lease-fenced writes (see ``services.holding``).
+
+Waking: the main thread listens for the producer's notifications (``wakeups``) and
+wakes an idle worker for each hint naming one of its targets; a worker with nothing
+to do also polls every ``poll_interval`` seconds, which is what makes a missed or
+dropped notification harmless. A heartbeat thread renews every in-flight lease each
+third of the lease, on its own connection, with a short ``lock_timeout``: a renew that
+meets the handler's own open ``holding()`` block is "busy" and tried again shortly,
+never a lost lease.
+
+Stopping (``stop()``, or SIGTERM/SIGINT through the command): no new claims; in-flight
+handlers get ``grace_seconds`` to finish and settle; leases still held after that are
+released (back to pending at once, fence bumped) so another consumer takes them.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, fields
+from typing import Any
+from uuid import UUID
+
+from django.db import DEFAULT_DB_ALIAS, InterfaceError, OperationalError, connections, transaction
+
+from . import services
+from .conf import is_number, is_whole_number
+from .exceptions import DeliveryTimeout, LeaseLostError, ProtocolError, WorkflowDeliveryError
+from .protocol import (
+    AlreadyTerminal,
+    DeliveryRecord,
+    Lease,
+    LeaseLost,
+    Outcome,
+    Renewed,
+    Settled,
+    as_bytes32,
+    as_uuid,
+)
+from .wakeups import WakeListener
+
+__all__ = ["Consumer", "ConsumerStats", "DeliveryContext", "Handler"]
+
+logger = logging.getLogger(__name__)
+
+# Errors of a connection that went away (or was never there); anything else is not
+# retried by reconnecting.
+CONNECTION_ERRORS = (OperationalError, InterfaceError)
+
+DEFAULT_LEASE_SECONDS = 8
+DEFAULT_POLL_INTERVAL = 2.0
+DEFAULT_GRACE_SECONDS = 10.0
+# How often the main thread looks at the stop flag while no notification arrives.
+_LISTEN_SLICE = 0.25
+_MAX_BACKOFF = 5.0
+
+
+@dataclass
+class ConsumerStats:
+    """Counts since the consumer started; read them after ``run`` or in ``on_progress``."""
+
+    claimed: int = 0
+    finished: int = 0
+    failed: int = 0
+    lost: int = 0
+    released: int = 0
+    renewed: int = 0
+    renew_busy: int = 0
+    connection_errors: int = 0
+
+    def line(self) -> str:
+        return " ".join(f"{f.name}={getattr(self, f.name)}" for f in fields(self))
+
+
+class DeliveryContext:
+    """What a handler gets besides the record and the lease."""
+
+    def __init__(self, consumer: Consumer, record: DeliveryRecord, lease: Lease) -> None:
+        self.record = record
+        self.lease = lease
+        #: Set once the consumer knows the lease is gone (reaped, released,
+        #: superseded): the handler should stop, nothing it settles will count.
+        self.lost = threading.Event()
+        #: Set when the consumer is stopping: a long handler may wind down early.
+        self.stopping = consumer._stopping
+        self.settled: Settled | None = None
+        self._consumer = consumer
+
+    @contextmanager
+    def holding(self) -> Iterator[services.Held]:
+        """``services.holding`` for this lease, renewed first so the block starts with
+        a whole lease (the heartbeat cannot renew while the block holds the row).
+        ``LeaseLostError`` if the lease is gone; ``lost`` is then set."""
+        consumer = self._consumer
+        if self.lost.is_set():
+            raise LeaseLostError(self.lease)
+        renewed = services.renew_delivery(
+            self.lease, lease_seconds=consumer.lease_seconds, using=consumer.using
+        )
+        if isinstance(renewed, LeaseLost):
+            self.lost.set()
+            raise LeaseLostError(self.lease)
+        try:
+            with services.holding(self.lease, using=consumer.using) as held:
+                yield held
+        except LeaseLostError:
+            self.lost.set()
+            raise
+        if held.settled is not None:
+            self.settled = held.settled
+
+
+Handler = Callable[[DeliveryRecord, Lease, DeliveryContext], Any]
+
+
+def _discard_connection(using: str) -> None:
+    """Drop this thread's connection so the next statement reconnects."""
+    try:
+        connections[using].close()
+    except CONNECTION_ERRORS:
+        logger.debug("closing a broken connection failed", exc_info=True)
+
+
+class _Heartbeat(threading.Thread):
+    """Renews every tracked lease a third of the lease after its last renewal."""
+
+    def __init__(self, consumer: Consumer) -> None:
+        super().__init__(name="workflow-delivery-heartbeat", daemon=True)
+        self.consumer = consumer
+        self.interval = consumer.lease_seconds / 3
+        # A renew waits at most this long for the row: longer means the handler's
+        # own holding() block has it, and the next try comes soon after.
+        self.lock_timeout_ms = max(50, min(500, int(consumer.lease_seconds * 100)))
+        self._due: dict[UUID, tuple[DeliveryContext, float]] = {}
+        self._cond = threading.Condition()
+        self._stopped = False
+        self._sleeping_until = 0.0
+
+    def track(self, context: DeliveryContext) -> None:
+        due = time.monotonic() + self.interval
+        with self._cond:
+            self._due[context.lease.delivery_id] = (context, due)
+            # Wake the thread only when this beat comes before the one it sleeps
+            # for: with deliveries in flight it rarely does, and a wake per claim
+            # would cost a thread switch per delivery.
+            if due < self._sleeping_until:
+                self._cond.notify()
+
+    def untrack(self, context: DeliveryContext) -> None:
+        with self._cond:
+            entry = self._due.get(context.lease.delivery_id)
+            if entry is not None and entry[0] is context:
+                del self._due[context.lease.delivery_id]
+
+    def in_flight(self) -> list[DeliveryContext]:
+        with self._cond:
+            return [context for context, _ in self._due.values()]
+
+    def stop(self) -> None:
+        with self._cond:
+            self._stopped = True
+            self._cond.notify()
+
+    def _reschedule(self, context: DeliveryContext, after: float) -> None:
+        with self._cond:
+            entry = self._due.get(context.lease.delivery_id)
+            if entry is not None and entry[0] is context:
+                self._due[context.lease.delivery_id] = (context, time.monotonic() + after)
+
+    def run(self) -> None:
+        try:
+            while True:
+                with self._cond:
+                    if self._stopped:
+                        return
+                    now = time.monotonic()
+                    due = [context for context, at in self._due.values() if at <= now]
+                    if not due:
+                        wake = min((at for _, at in self._due.values()), default=now + 1.0)
+                        self._sleeping_until = wake
+                        self._cond.wait(timeout=max(0.0, wake - now))
+                        self._sleeping_until = 0.0
+                        continue
+                for context in due:
+                    self._beat(context)
+        finally:
+            connections[self.consumer.using].close()
+
+    def _beat(self, context: DeliveryContext) -> None:
+        consumer = self.consumer
+        using = consumer.using
+        try:
+            # A transaction of its own, so the lock_timeout applies to this renew only.
+            with transaction.atomic(using=using):
+                with connections[using].cursor() as cursor:
+                    cursor.execute(
+                        "SELECT set_config('lock_timeout', %s, true)", [f"{self.lock_timeout_ms}ms"]
+                    )
+                result = services.renew_delivery(
+                    context.lease, lease_seconds=consumer.lease_seconds, using=using
+                )
+        except DeliveryTimeout:
+            # lock_timeout: the handler's own holding() block has the row; not lost.
+            consumer._count("renew_busy")
+            logger.debug("renew of %s busy (row held); retrying", context.lease.delivery_id)
+            self._reschedule(context, min(self.interval / 2, 1.0))
+            return
+        except CONNECTION_ERRORS as exc:
+            consumer._count("connection_errors")
+            logger.warning("heartbeat lost its connection (%s); retrying", exc)
+            _discard_connection(using)
+            self._reschedule(context, min(self.interval / 2, 1.0))
+            return
+        if isinstance(result, Renewed):
+            consumer._count("renewed")
+            self._reschedule(context, self.interval)
+        else:
+            logger.info("lease on %s lost", context.lease.delivery_id)
+            context.lost.set()
+            self.untrack(context)
+
+
+class Consumer:
+    """Claims and handles the deliveries of ``targets`` in one community until stopped.
+
+    ``run()`` blocks until ``stop()`` is called (from any thread or a signal handler)
+    or ``max_deliveries`` claims have been handled, and returns the counts.
+    """
+
+    def __init__(
+        self,
+        community_id: UUID | str,
+        targets: Iterable[bytes],
+        handler: Handler,
+        *,
+        lease_seconds: int = DEFAULT_LEASE_SECONDS,
+        concurrency: int = 1,
+        poll_interval: float = DEFAULT_POLL_INTERVAL,
+        using: str = DEFAULT_DB_ALIAS,
+        max_deliveries: int | None = None,
+        grace_seconds: float = DEFAULT_GRACE_SECONDS,
+        listen: bool = True,
+        on_progress: Callable[[ConsumerStats], None] | None = None,
+    ) -> None:
+        self.community_id = as_uuid("community_id", community_id)
+        if isinstance(targets, bytes | bytearray | str):
+            raise ProtocolError("targets", "must be a list of 32-byte public keys")
+        self.targets = [as_bytes32("targets", target) for target in targets]
+        if not self.targets:
+            raise ProtocolError("targets", "name at least one target")
+        if not callable(handler):
+            raise ProtocolError("handler", "must be callable")
+        self.handler = handler
+        # The same rule a claim applies, checked here rather than on the first claim.
+        self.lease_seconds = services._lease_seconds(lease_seconds)
+        if not (is_whole_number(concurrency) and concurrency > 0):
+            raise ProtocolError("concurrency", f"must be a positive whole number: {concurrency!r}")
+        self.concurrency = concurrency
+        if not (is_number(poll_interval) and poll_interval > 0):
+            raise ProtocolError("poll_interval", f"must be a positive number: {poll_interval!r}")
+        self.poll_interval = float(poll_interval)
+        if max_deliveries is not None and not (
+            is_whole_number(max_deliveries) and max_deliveries > 0
+        ):
+            raise ProtocolError(
+                "max_deliveries", f"must be a positive whole number: {max_deliveries!r}"
+            )
+        self.max_deliveries = max_deliveries
+        if not (is_number(grace_seconds) and grace_seconds >= 0):
+            raise ProtocolError("grace_seconds", f"must be a number >= 0: {grace_seconds!r}")
+        self.grace_seconds = float(grace_seconds)
+        self.using = using
+        self.listen = listen
+        self.on_progress = on_progress
+        self.stats = ConsumerStats()
+        self._target_set = frozenset(self.targets)
+        self._stats_lock = threading.Lock()
+        self._stopping = threading.Event()
+        # Idle workers sleep here; ``_wake_seq`` moves on every wake, so a wake that
+        # comes between a worker's miss and its wait is not lost.
+        self._wake = threading.Condition()
+        self._wake_seq = 0
+        self._reserved = 0
+        #: Set once the wake-up session listens (observers: tests, benchmarks).
+        self.listening = threading.Event()
+
+    # -- control -------------------------------------------------------------------
+
+    def stop(self) -> None:
+        """Stop claiming; in-flight handlers get the grace period. Safe from any thread."""
+        self._stopping.set()
+
+    @property
+    def stopping(self) -> bool:
+        return self._stopping.is_set()
+
+    def _count(self, name: str, by: int = 1) -> None:
+        with self._stats_lock:
+            setattr(self.stats, name, getattr(self.stats, name) + by)
+
+    def _wake_workers(self, count: int | None = None) -> None:
+        with self._wake:
+            self._wake_seq += 1
+            if count is None:
+                self._wake.notify_all()
+            else:
+                self._wake.notify(count)
+
+    # -- main thread: listening, stopping ----------------------------------------
+
+    def run(self, stop: Callable[[], bool] | None = None) -> ConsumerStats:
+        """Run until stopped (``stop()``, ``stop`` returning true, e.g. a
+        ``runner.StopRequest``) or ``max_deliveries`` are handled."""
+        heartbeat = _Heartbeat(self)
+        self._heartbeat = heartbeat
+        heartbeat.start()
+        workers = [
+            threading.Thread(
+                target=self._work, args=(index,), name=f"workflow-delivery-worker-{index}"
+            )
+            for index in range(self.concurrency)
+        ]
+        # Daemon threads: a handler still running past the grace period must not keep
+        # the process alive once its lease has been released.
+        for worker in workers:
+            worker.daemon = True
+            worker.start()
+        listener = WakeListener(self.using) if self.listen else None
+        graceful = False
+        try:
+            self._listen(listener, workers, stop)
+            graceful = True
+        finally:
+            self._stopping.set()
+            self._wake_workers()
+            if listener is not None:
+                listener.close()
+            self._wind_down(workers, heartbeat, self.grace_seconds if graceful else 0.0)
+        return self.stats
+
+    def _listen(
+        self,
+        listener: WakeListener | None,
+        workers: list[threading.Thread],
+        stop: Callable[[], bool] | None,
+    ) -> None:
+        if listener is not None:
+            try:
+                import psycopg
+            except ImportError:
+                # The listener needs psycopg 3; on psycopg2 alone the workers poll.
+                logger.warning("wake-ups need psycopg 3; polling every %s s", self.poll_interval)
+                listener = None
+        if listener is not None:
+            try:
+                listener.connect()
+                self.listening.set()
+            except psycopg.OperationalError as exc:
+                # Its own session, outside Django: psycopg's error, not Django's.
+                # The next wait retries; until then the workers poll.
+                logger.warning("cannot listen for wake-ups yet (%s); polling", exc)
+        reconnects = 0
+        last_progress = time.monotonic()
+        while not self._stopping.is_set() and any(worker.is_alive() for worker in workers):
+            if stop is not None and stop():
+                break
+            if listener is None:
+                self._stopping.wait(_LISTEN_SLICE)
+            else:
+                hints = listener.wait(_LISTEN_SLICE)
+                ours = sum(
+                    1
+                    for hint in hints
+                    if hint.community_id == self.community_id
+                    and hint.target_pubkey in self._target_set
+                )
+                if ours:
+                    self._wake_workers(ours)
+                if listener.connected:
+                    self.listening.set()
+                if listener.reconnects != reconnects:
+                    # Whatever was sent while nobody listened is found by a poll now.
+                    reconnects = listener.reconnects
+                    self._wake_workers()
+            if self.on_progress is not None and time.monotonic() - last_progress >= 1.0:
+                last_progress = time.monotonic()
+                self.on_progress(self.stats)
+
+    def _wind_down(
+        self, workers: list[threading.Thread], heartbeat: _Heartbeat, grace: float
+    ) -> None:
+        deadline = time.monotonic() + grace
+        for worker in workers:
+            worker.join(max(0.0, deadline - time.monotonic()))
+        # Past the grace period: hand the remaining leases back now rather than
+        # leaving them to expire, and tell their handlers.
+        for context in heartbeat.in_flight():
+            context.lost.set()
+            heartbeat.untrack(context)
+            try:
+                released = services.release_lease(context.lease, using=self.using)
+            except CONNECTION_ERRORS as exc:
+                logger.warning("could not release %s (%s)", context.lease.delivery_id, exc)
+                _discard_connection(self.using)
+                continue
+            if released:
+                self._count("released")
+                logger.info("released %s still in flight at stop", context.lease.delivery_id)
+        heartbeat.stop()
+        heartbeat.join(5)
+        connections[self.using].close()
+        if self.on_progress is not None:
+            self.on_progress(self.stats)
+
+    # -- workers ---------------------------------------------------------------------
+
+    def _reserve(self) -> bool:
+        with self._stats_lock:
+            if self.max_deliveries is not None and self._reserved >= self.max_deliveries:
+                return False
+            self._reserved += 1
+            return True
+
+    def _unreserve(self) -> None:
+        with self._stats_lock:
+            self._reserved -= 1
+
+    def _work(self, index: int) -> None:
+        # Each worker thread has its own Django connection, closed when it ends.
+        # Workers start at different targets and take them in turn (see _claim).
+        turn = [index % len(self.targets)]
+        backoff = 0.0
+        try:
+            while not self._stopping.is_set():
+                if not self._reserve():
+                    return
+                with self._wake:
+                    seen = self._wake_seq
+                try:
+                    claimed = self._claim(turn)
+                except CONNECTION_ERRORS as exc:
+                    self._unreserve()
+                    self._count("connection_errors")
+                    backoff = min(_MAX_BACKOFF, backoff * 2 or 0.1)
+                    logger.warning("claim failed (%s); reconnecting in %.1f s", exc, backoff)
+                    _discard_connection(self.using)
+                    self._stopping.wait(backoff)
+                    continue
+                except WorkflowDeliveryError as exc:
+                    # e.g. the community is fenced: nothing can be claimed there now.
+                    self._unreserve()
+                    logger.error("claim refused: %s", exc)
+                    self._stopping.wait(self.poll_interval)
+                    continue
+                backoff = 0.0
+                if claimed is None:
+                    self._unreserve()
+                    with self._wake:
+                        if self._wake_seq == seen and not self._stopping.is_set():
+                            self._wake.wait(self.poll_interval)
+                    continue
+                self._handle(*claimed)
+        finally:
+            connections[self.using].close()
+
+    def _claim(self, turn: list[int]) -> tuple[Lease, DeliveryRecord] | None:
+        """One claim, trying each target at most once from ``turn[0]`` on; the next
+        call starts after the target that gave a delivery. Round-robin keeps one
+        target's backlog from starving the others, and an empty target costs a miss
+        only when its turn comes, not before every claim."""
+        count = len(self.targets)
+        start = turn[0]
+        for step in range(count):
+            position = (start + step) % count
+            claimed = services.claim_delivery(
+                self.community_id,
+                self.targets[position],
+                lease_seconds=self.lease_seconds,
+                using=self.using,
+            )
+            if claimed is not None:
+                turn[0] = (position + 1) % count
+                return claimed
+        return None
+
+    def _handle(self, lease: Lease, record: DeliveryRecord) -> None:
+        self._count("claimed")
+        context = DeliveryContext(self, record, lease)
+        self._heartbeat.track(context)
+        outcome: Outcome | None = None
+        try:
+            logger.debug("handling %s", lease.delivery_id)
+            self.handler(record, lease, context)
+            outcome = Outcome.FINISHED
+        except LeaseLostError:
+            context.lost.set()
+        except CONNECTION_ERRORS as exc:
+            # Not the handler's verdict on the delivery: give it back to be retried.
+            logger.warning("handler lost its connection on %s (%s)", lease.delivery_id, exc)
+            _discard_connection(self.using)
+        except Exception:
+            logger.exception("handler raised on delivery %s", lease.delivery_id)
+            outcome = Outcome.FAILED
+        finally:
+            self._heartbeat.untrack(context)
+        if context.settled is not None:
+            self._count(context.settled.outcome.value)
+        elif context.lost.is_set():
+            self._count("lost")
+        elif outcome is None:
+            self._give_back(context)
+        else:
+            self._settle(context, outcome)
+
+    def _retrying(self, action: Callable[[], Any], context: DeliveryContext) -> Any:
+        """``action()``, retried after a lost connection for as long as the lease
+        could still be live; None if it never got through."""
+        deadline = time.monotonic() + self.lease_seconds
+        backoff = 0.0
+        while True:
+            try:
+                return action()
+            except CONNECTION_ERRORS as exc:
+                self._count("connection_errors")
+                _discard_connection(self.using)
+                backoff = min(_MAX_BACKOFF, backoff * 2 or 0.1)
+                if time.monotonic() + backoff > deadline:
+                    logger.warning("gave up on %s (%s)", context.lease.delivery_id, exc)
+                    return None
+                time.sleep(backoff)
+
+    def _settle(self, context: DeliveryContext, outcome: Outcome) -> None:
+        result = self._retrying(
+            lambda: services.finish_delivery(context.lease, outcome, using=self.using), context
+        )
+        if isinstance(result, Settled):
+            self._count(result.outcome.value)
+        elif isinstance(result, AlreadyTerminal):
+            # A retry after a settle whose answer was lost with the connection.
+            self._count(result.status.value)
+        else:
+            context.lost.set()
+            self._count("lost")
+
+    def _give_back(self, context: DeliveryContext) -> None:
+        released = self._retrying(
+            lambda: services.release_lease(context.lease, using=self.using), context
+        )
+        self._count("released" if released else "lost")
