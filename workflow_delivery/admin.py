@@ -499,7 +499,7 @@ class DeliveryAdmin(ReadOnlyAdmin):
         self,
         request: HttpRequest,
         queryset: QuerySet,
-        service: Callable[[uuid.UUID, list[uuid.UUID]], list[uuid.UUID]],
+        service: Callable[..., list[uuid.UUID]],
         action: str,
         log_message: str,
     ) -> None:
@@ -508,7 +508,12 @@ class DeliveryAdmin(ReadOnlyAdmin):
         by_community: dict[uuid.UUID, list[uuid.UUID]] = defaultdict(list)
         for community_id, delivery_id in queryset.values_list("community_id", "id"):
             by_community[community_id].append(delivery_id)
-        done = [i for community, ids in by_community.items() for i in service(community, ids)]
+        operator = request.user.get_username()
+        done = [
+            i
+            for community, ids in by_community.items()
+            for i in service(community, ids, operator=operator)
+        ]
         if done:
             changed = WorkflowAgentDelivery.objects.filter(pk__in=done)
             _log_operator_change(request, WorkflowAgentDelivery, changed, log_message)

@@ -14,6 +14,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from datetime import timedelta
 from types import FrameType
 
 from django.core.management.base import CommandError
@@ -27,7 +28,7 @@ from django.db import (
 from django.db.models import Count
 
 from . import services
-from .conf import is_number, is_whole_number
+from .conf import app_settings, is_number, is_whole_number, parse_duration
 from .models import WorkflowAgentDelivery
 
 logger = logging.getLogger("workflow_delivery.reaper")
@@ -104,6 +105,17 @@ def positive(option: str, value: object, *, whole: bool) -> None:
         raise CommandError(f"{option} must be a positive {noun}, not {value!r}")
 
 
+def duration_option(option: str, value: object) -> timedelta:
+    """A retention option (``30d``, ``12h``, ``15m``, ``90s``); None reads
+    ``WORKFLOW_DELIVERY_RETENTION``."""
+    if value is None:
+        value = app_settings.RETENTION
+    try:
+        return parse_duration(value)
+    except ValueError as exc:
+        raise CommandError(f"{option}: {exc}") from None
+
+
 @dataclass(frozen=True, slots=True)
 class Sweep:
     """What one pass of the reaper did (or, dry, would do)."""
@@ -115,6 +127,8 @@ class Sweep:
     seconds: float
     dry_run: bool = False
     by_community: dict[str, int] = field(default_factory=dict)
+    exhausted: int = 0
+    pruned: int | None = None
 
     def log_line(self) -> str:
         parts = {
@@ -123,7 +137,10 @@ class Sweep:
             "skipped_inactive": self.skipped_inactive,
             "batches": self.batches,
             "seconds": f"{self.seconds:.3f}",
+            "would_fail_exhausted" if self.dry_run else "failed_exhausted": self.exhausted,
         }
+        if self.pruned is not None:
+            parts["would_prune" if self.dry_run else "pruned"] = self.pruned
         return " ".join(f"{key}={value}" for key, value in parts.items())
 
 
@@ -133,12 +150,15 @@ class LoopSummary:
     failed: int
     reclaimed: int
     stopped_by: str | None
+    exhausted: int = 0
+    pruned: int = 0
 
     def __str__(self) -> str:
         ending = f"stopped by {self.stopped_by}" if self.stopped_by else "done"
         return (
             f"{ending}: {self.sweeps} sweeps ({self.failed} failed), "
-            f"reclaimed {self.reclaimed} expired leases"
+            f"reclaimed {self.reclaimed} expired leases; failed {self.exhausted} that had "
+            f"used every attempt; pruned {self.pruned} terminal deliveries"
         )
 
 
@@ -152,37 +172,56 @@ class Reaper:
         dry_run: bool = False,
         using: str = DEFAULT_DB_ALIAS,
         max_backoff: float = 5.0,
+        prune_older_than: timedelta | None = None,
+        prune_batch_size: int | None = None,
     ) -> None:
         self.batch_size = batch_size
         self.dry_run = dry_run
         self.using = using
         self.max_backoff = max_backoff
+        # Retention as part of each sweep (off unless asked for).
+        self.prune_older_than = prune_older_than
+        self.prune_batch_size = prune_batch_size
 
     def _expired(self):
         return WorkflowAgentDelivery.objects.using(self.using).expired_leases()
 
     def sweep(self, number: int = 1, stop: StopRequest | None = None) -> Sweep:
         started = time.monotonic()
+        should_stop = (lambda: bool(stop)) if stop is not None else None
+        pruned = None
         if self.dry_run:
+            expired = self._expired().in_active_communities()
+            cap = app_settings.MAX_ATTEMPTS
+            exhausted = 0 if cap is None else expired.filter(attempts__gte=cap).count()
             rows = (
-                self._expired()
-                .in_active_communities()
-                .values_list("community__host")
+                expired.values_list("community__host")
                 .annotate(count=Count("id"))
                 .order_by("community__host")
             )
             by_community = dict(rows)
-            reclaimed, batches = sum(by_community.values()), 0
+            reclaimed, batches = sum(by_community.values()) - exhausted, 0
+            if self.prune_older_than is not None:
+                prunable = services.count_prunable(self.prune_older_than, using=self.using)
+                pruned = sum(prunable.values())
         else:
             by_community = {}
             batch_counts: list[int] = []
-            reclaimed = services.reap_expired_deliveries(
+            reaped = services.reap_deliveries(
                 batch_size=self.batch_size,
                 on_batch=lambda count, seconds: self._on_batch(batch_counts, count, seconds),
-                should_stop=(lambda: bool(stop)) if stop is not None else None,
+                should_stop=should_stop,
                 using=self.using,
             )
+            reclaimed, exhausted = reaped.reclaimed, reaped.exhausted
             batches = len(batch_counts)
+            if self.prune_older_than is not None and not stop:
+                pruned = services.prune_deliveries(
+                    older_than=self.prune_older_than,
+                    batch_size=self.prune_batch_size,
+                    should_stop=should_stop,
+                    using=self.using,
+                )
         skipped = self._expired().in_fenced_communities().count()
         return Sweep(
             number=number,
@@ -192,6 +231,8 @@ class Reaper:
             seconds=time.monotonic() - started,
             dry_run=self.dry_run,
             by_community=by_community,
+            exhausted=exhausted,
+            pruned=pruned,
         )
 
     @staticmethod
@@ -208,7 +249,7 @@ class Reaper:
     ) -> LoopSummary:
         """Sweep every ``interval`` seconds until ``stop`` is set or ``max_sweeps``
         passes (failed ones included, so a bounded run ends even on a dead database)."""
-        number = failed = reclaimed = 0
+        number = failed = reclaimed = exhausted = pruned = 0
         backoff = 0.0
         while not stop and (max_sweeps is None or number < max_sweeps):
             number += 1
@@ -228,11 +269,13 @@ class Reaper:
             else:
                 backoff = 0.0
                 reclaimed += result.reclaimed
+                exhausted += result.exhausted
+                pruned += result.pruned or 0
                 logger.info("%s", result.log_line())
                 pause = interval
             if not stop and (max_sweeps is None or number < max_sweeps):
                 stop.sleep(pause)
-        return LoopSummary(number, failed, reclaimed, stop.signal_name)
+        return LoopSummary(number, failed, reclaimed, stop.signal_name, exhausted, pruned)
 
     def _discard_connection(self) -> None:
         # The next pass reconnects; closing a dead connection may itself fail.

@@ -15,6 +15,7 @@ from functools import lru_cache
 from django.db import Error as DatabaseError
 from django.db import connection
 
+from .counters import FENCE_REFUSALS
 from .exceptions import (
     CommunityWriteFenced,
     ConstraintViolation,
@@ -23,7 +24,14 @@ from .exceptions import (
     IsolationLevelError,
     ReferenceMissing,
 )
-from .models import Community, Event, Workflow, WorkflowAgentDelivery, WorkflowRun
+from .models import (
+    Community,
+    DeliveryTransition,
+    Event,
+    Workflow,
+    WorkflowAgentDelivery,
+    WorkflowRun,
+)
 
 _q = connection.ops.quote_name
 
@@ -152,6 +160,15 @@ SELECT status FROM {DELIVERIES}
  WHERE community_id = %s AND id = %s AND target_pubkey = %s AND lease_generation = %s
 """
 
+# The reaper's write: back to pending, or, once a delivery has used every attempt
+# (the second and third parameters: the cap, NULL for none), settled failed.
+_EXHAUSTED = "d.attempts >= %s::integer"
+_REAP_SET = f"""
+status = CASE WHEN {_EXHAUSTED} THEN 'failed' ELSE 'pending' END,
+lease_generation = d.lease_generation + 1, lease_until = NULL, claimed_at = NULL,
+finished_at = CASE WHEN {_EXHAUSTED} THEN now() END
+"""
+
 # One bounded batch of the fleet-wide reaper. A tenant that is not active is
 # filtered out inside the statement, so its fence never aborts the sweep; rows a
 # live holder has locked are skipped, not waited for.
@@ -165,10 +182,10 @@ WITH expired AS (
      FOR UPDATE SKIP LOCKED
 )
 UPDATE {DELIVERIES} AS d
-   SET {_BACK_TO_PENDING}
+   SET {_REAP_SET}
   FROM expired
  WHERE d.id = expired.id
-RETURNING d.community_id
+RETURNING d.community_id, d.status = 'failed' AS exhausted
 """
 
 # An operator's release of chosen claimed rows (admin): back to pending, fence bumped.
@@ -187,6 +204,39 @@ UPDATE {DELIVERIES} AS d
  WHERE d.community_id = %s AND d.id = ANY(%s) AND d.status IN ('pending', 'claimed')
    AND community_write_allowed(d.community_id)
 RETURNING d.id
+"""
+
+# Who writes in this transaction, for the timeline trigger (migration 0007).
+SET_ACTOR = "SELECT set_config('workflow_delivery.actor', %s, true)"
+
+# One bounded batch of retention: terminal rows settled before the cut-off, of
+# communities that are active and whose deletion lock is free (tried, never waited
+# for; the CTE is evaluated once per statement). Their timeline goes by cascade.
+PRUNE_BATCH = f"""
+WITH allowed AS MATERIALIZED (
+    SELECT id FROM {COMMUNITIES}
+     WHERE deletion_state = 'active' AND wd_community_prune_allowed(id)
+),
+doomed AS (
+    SELECT d.community_id, d.id FROM {DELIVERIES} AS d JOIN allowed AS a ON a.id = d.community_id
+     WHERE d.status IN ('finished', 'failed') AND d.finished_at < %s
+     LIMIT %s
+     FOR UPDATE OF d SKIP LOCKED
+)
+DELETE FROM {DELIVERIES} AS d
+ USING doomed
+ WHERE d.community_id = doomed.community_id AND d.id = doomed.id
+RETURNING d.community_id
+"""
+
+PRUNE_CUTOFF = "SELECT now() - %s::interval"
+
+# What a prune would delete, per community (a dry run, and the progress bar's total).
+PRUNE_COUNT = f"""
+SELECT c.id, c.host, count(*)
+  FROM {COMMUNITIES} AS c JOIN {DELIVERIES} AS d ON d.community_id = c.id
+ WHERE c.deletion_state = 'active' AND d.status IN ('finished', 'failed') AND d.finished_at < %s
+ GROUP BY c.id, c.host ORDER BY c.host
 """
 
 # The fence's own rule, from migration 0003: READ COMMITTED or a clear error.
@@ -219,6 +269,7 @@ SELECT set_config('workflow_delivery.executor_community', '', true),
 
 # Children first, so no foreign key refuses the purge.
 PURGE_ORDER = [
+    DeliveryTransition._meta.db_table,
     WorkflowAgentDelivery._meta.db_table,
     WorkflowRun._meta.db_table,
     Workflow._meta.db_table,
@@ -252,6 +303,7 @@ def database_errors() -> Iterator[None]:
         sqlstate = getattr(exc.__cause__, "sqlstate", None)
         message = getattr(diag, "message_primary", None) or str(exc)
         if constraint == "wd_community_write_fence":
+            FENCE_REFUSALS.inc()
             raise CommunityWriteFenced(message) from exc
         if constraint in _LIFECYCLE_CONSTRAINTS:
             raise InvalidLifecycleTransition(message) from exc
