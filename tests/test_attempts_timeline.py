@@ -299,3 +299,14 @@ def test_the_executor_purges_the_timeline_of_a_fenced_community():
     assert deleted["workflow_delivery_timeline"] == 1
     assert not DeliveryTransition.objects.filter(community_id=step.community.id).exists()
     assert not WorkflowAgentDelivery.objects.filter(community_id=step.community.id).exists()
+
+
+def test_the_timeline_can_be_turned_off_for_the_apps_sessions(settings):
+    settings.WORKFLOW_DELIVERY_TIMELINE = False
+    step, delivery_id = one_delivery()
+    services.finish_delivery(claim(step), "finished")
+    assert timeline(delivery_id) == []
+    settings.WORKFLOW_DELIVERY_TIMELINE = True
+    other, other_id = one_delivery()
+    services.finish_delivery(claim(other), "finished")
+    assert [entry[0] for entry in timeline(other_id)] == ["committed", "claimed", "finished"]

@@ -20,6 +20,8 @@ DEFAULTS: dict[str, Any] = {
     # How long terminal deliveries are kept (prune_deliveries, reap_deliveries --prune).
     "RETENTION": "30d",
     "PRUNE_BATCH_SIZE": 1000,
+    # Record each delivery's transitions (the timeline trigger) for the app's sessions.
+    "TIMELINE": True,
 }
 
 

@@ -209,6 +209,9 @@ RETURNING d.id
 # Who writes in this transaction, for the timeline trigger (migration 0007).
 SET_ACTOR = "SELECT set_config('workflow_delivery.actor', %s, true)"
 
+# Whether this session's writes are recorded in the timeline (a session setting).
+SET_TIMELINE = "SELECT set_config('workflow_delivery.timeline', %s, false)"
+
 # One bounded batch of retention: terminal rows settled before the cut-off, of
 # communities that are active and whose deletion lock is free (tried, never waited
 # for; the CTE is evaluated once per statement). Their timeline goes by cascade.

@@ -7,7 +7,9 @@
 * ``workflow_delivery_timeline`` is a tenant table recording each status change of a
   delivery (time by the database clock, generation, attempts, status before and after,
   actor). ``wd_delivery_timeline`` writes it AFTER INSERT/UPDATE, so a raw UPDATE is
-  recorded too. The actor comes from the transaction-local setting
+  recorded too (a session may turn it off: ``workflow_delivery.timeline = off``, which
+  the app sets when ``WORKFLOW_DELIVERY_TIMELINE`` is False; it costs claim+finish
+  throughput). The actor comes from the transaction-local setting
   ``workflow_delivery.actor`` (the reaper and operator services set it) or is inferred.
   It references its delivery by ``(community_id, delivery_id)`` and is deleted with it;
   the community write fence guards it like every tenant table.
@@ -118,16 +120,22 @@ BEGIN
 END
 $$;
 
--- Renewals (lease_until only) are not recorded: they are the holder's heartbeat.
+-- Renewals (lease_until only) are not recorded: they are the holder's heartbeat. A
+-- session that sets workflow_delivery.timeline to 'off' (the app does, with
+-- WORKFLOW_DELIVERY_TIMELINE = False) records nothing and pays only the WHEN test.
 CREATE TRIGGER wd_delivery_timeline
     AFTER UPDATE ON workflow_agent_deliveries
     FOR EACH ROW
-    WHEN (NEW.status IS DISTINCT FROM OLD.status)
+    WHEN (
+        NEW.status IS DISTINCT FROM OLD.status
+        AND current_setting('workflow_delivery.timeline', true) IS DISTINCT FROM 'off'
+    )
     EXECUTE FUNCTION wd_record_delivery_transition();
 
 CREATE TRIGGER wd_delivery_timeline_commit
     AFTER INSERT ON workflow_agent_deliveries
     FOR EACH ROW
+    WHEN (current_setting('workflow_delivery.timeline', true) IS DISTINCT FROM 'off')
     EXECUTE FUNCTION wd_record_delivery_transition();
 """
 
