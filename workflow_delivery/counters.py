@@ -42,3 +42,9 @@ FENCE_REFUSALS = Counter(
     "Writes of this process refused by the community write fence.",
     registry=REGISTRY,
 )
+
+# Every label value from the start, so a rate() has a zero to begin from.
+for _outcome in ("finished", "failed"):
+    SETTLES.labels(_outcome)
+for _result in ("reclaimed", "attempts_exhausted"):
+    REAPED.labels(_result)

@@ -212,7 +212,7 @@ SET_ACTOR = "SELECT set_config('workflow_delivery.actor', %s, true)"
 # Whether this session's writes are recorded in the timeline (a session setting).
 SET_TIMELINE = "SELECT set_config('workflow_delivery.timeline', %s, false)"
 
-# One bounded batch of retention: terminal rows settled before the cut-off, of
+# One bounded batch of retention: terminal rows settled at or before the cut-off, of
 # communities that are active and whose deletion lock is free (tried, never waited
 # for; the CTE is evaluated once per statement). Their timeline goes by cascade.
 PRUNE_BATCH = f"""
@@ -222,7 +222,7 @@ WITH allowed AS MATERIALIZED (
 ),
 doomed AS (
     SELECT d.community_id, d.id FROM {DELIVERIES} AS d JOIN allowed AS a ON a.id = d.community_id
-     WHERE d.status IN ('finished', 'failed') AND d.finished_at < %s
+     WHERE d.status IN ('finished', 'failed') AND d.finished_at <= %s
      LIMIT %s
      FOR UPDATE OF d SKIP LOCKED
 )
@@ -238,8 +238,23 @@ PRUNE_CUTOFF = "SELECT now() - %s::interval"
 PRUNE_COUNT = f"""
 SELECT c.id, c.host, count(*)
   FROM {COMMUNITIES} AS c JOIN {DELIVERIES} AS d ON d.community_id = c.id
- WHERE c.deletion_state = 'active' AND d.status IN ('finished', 'failed') AND d.finished_at < %s
+ WHERE c.deletion_state = 'active' AND d.status IN ('finished', 'failed') AND d.finished_at <= %s
  GROUP BY c.id, c.host ORDER BY c.host
+"""
+
+# Metrics: each served by a partial index (the heap of terminal rows is never read).
+METRICS_COMMUNITIES = f"SELECT id, host, deletion_state FROM {COMMUNITIES}"
+METRICS_PENDING = f"""
+SELECT community_id, count(*), extract(epoch FROM now() - min(created_at))
+  FROM {DELIVERIES} WHERE status = 'pending' GROUP BY community_id
+"""
+METRICS_CLAIMED = f"""
+SELECT community_id, count(*), count(*) FILTER (WHERE lease_until < now())
+  FROM {DELIVERIES} WHERE status = 'claimed' GROUP BY community_id
+"""
+METRICS_TERMINAL = f"""
+SELECT community_id, status, count(*)
+  FROM {DELIVERIES} WHERE status IN ('finished', 'failed') GROUP BY community_id, status
 """
 
 # The fence's own rule, from migration 0003: READ COMMITTED or a clear error.
