@@ -257,6 +257,18 @@ SELECT community_id, status, count(*)
   FROM {DELIVERIES} WHERE status IN ('finished', 'failed') GROUP BY community_id, status
 """
 
+# Settles of the last hour per minute, oldest first, from the timeline's settle index.
+TIMELINE = _q(DeliveryTransition._meta.db_table)
+SETTLES_PER_MINUTE = f"""
+SELECT minutes.m, count(t.id)
+  FROM generate_series(0, 59) AS minutes (m)
+  LEFT JOIN {TIMELINE} AS t
+    ON t.kind IN ('finished', 'failed', 'operator_failed', 'attempts_exhausted')
+   AND t.at > now() - interval '60 minutes'
+   AND 59 - greatest(0, floor(extract(epoch FROM now() - t.at) / 60)::int) = minutes.m
+ GROUP BY minutes.m ORDER BY minutes.m
+"""
+
 # The fence's own rule, from migration 0003: READ COMMITTED or a clear error.
 REQUIRE_READ_COMMITTED = "SELECT wd_require_read_committed()"
 
