@@ -83,6 +83,15 @@ def _when(value: datetime) -> str:
     return date_format(timezone.localtime(value), "Y-m-d H:i:s T")
 
 
+def _when_short(value: datetime) -> SafeString:
+    """For the list: the time of day (with the month and day if not today); the full
+    timestamp on hover."""
+    local = timezone.localtime(value)
+    today = timezone.localtime().date() == local.date()
+    shown = date_format(local, "H:i:s" if today else "m-d H:i")
+    return format_html('<span title="{}">{}</span>', _when(value), shown)
+
+
 def shown_as(
     name: str, render: Callable[[Any], object], *, ordering: str | None = None
 ) -> Callable[[Model], object]:
@@ -101,8 +110,8 @@ def hex_field(name: str, *, short: bool = False) -> Callable[[Model], object]:
     return shown_as(name, (lambda value: _short(_hex(value))) if short else _hex)
 
 
-def time_field(name: str) -> Callable[[Model], object]:
-    return shown_as(name, _when, ordering=name)
+def time_field(name: str, *, short: bool = False) -> Callable[[Model], object]:
+    return shown_as(name, _when_short if short else _when, ordering=name)
 
 
 class ReadOnlyAdmin(admin.ModelAdmin):
@@ -427,11 +436,10 @@ class DeliveryAdmin(ReadOnlyAdmin):
         community_link,
         "step_id",
         hex_field("target_pubkey", short=True),
-        "cause_kind",
         "attempts",
-        "lease_generation",
-        "lease_expiry",
-        time_field("created_at"),
+        "generation",
+        "lease_expiry_short",
+        time_field("created_at", short=True),
     ]
     list_filter = ["status", "cause_kind", "community", ExpiredLeaseFilter]
     list_select_related = ["community", "workflow"]
@@ -558,6 +566,19 @@ class DeliveryAdmin(ReadOnlyAdmin):
             "<tbody>{}</tbody></table>",
             rows,
         )
+
+    @admin.display(description="gen", ordering="lease_generation")
+    def generation(self, obj: WorkflowAgentDelivery) -> int:
+        return obj.lease_generation
+
+    @admin.display(description="lease until", ordering="lease_until")
+    def lease_expiry_short(self, obj: WorkflowAgentDelivery) -> SafeString | None:
+        if obj.lease_until is None:
+            return None
+        shown = _when_short(obj.lease_until)
+        if obj.lease_until < timezone.now():
+            return format_html('<strong class="wd-lease-expired">{} (expired)</strong>', shown)
+        return shown
 
     @admin.display(description="lease until", ordering="lease_until")
     def lease_expiry(self, obj: WorkflowAgentDelivery) -> str | None:
