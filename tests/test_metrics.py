@@ -9,7 +9,7 @@ from django.db.models import Count, Min
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests import factories
-from workflow_delivery import fence, services
+from workflow_delivery import fence, services, sql
 from workflow_delivery.exceptions import CommunityWriteFenced
 from workflow_delivery.models import Community, WorkflowAgentDelivery
 
@@ -128,3 +128,48 @@ def test_pruned_rows_are_counted(client):
 
 def test_only_get_is_served(client):
     assert client.post("/metrics").status_code == 405
+
+
+@pytest.mark.django_db(transaction=True)
+def test_the_figures_and_pruning_never_scan_the_table():
+    """On a realistic, vacuumed table (most rows settled) the planner serves every
+    metrics query and a prune batch from the partial indexes."""
+    step = factories.Step(targets=1)
+    with connection.cursor() as cursor:
+        cursor.execute("SET workflow_delivery.timeline = off")  # seeding only
+        try:
+            cursor.execute(
+                """
+                INSERT INTO workflow_agent_deliveries (
+                    id, community_id, workflow_id, run_id, step_id, target_pubkey,
+                    definition_event_id, message_event_id, message_event_created_at,
+                    cause_kind, cause_event_id, status, finished_at)
+                SELECT gen_random_uuid(), %s, %s, %s, 'step-' || n,
+                       sha256(int4send(n %% 64)), %s, %s, %s, 'event', sha256(int4send(n)),
+                       CASE WHEN n %% 20 = 0 THEN 'pending' ELSE 'finished' END,
+                       CASE WHEN n %% 20 = 0 THEN NULL ELSE now() END
+                  FROM generate_series(1, 20000) AS n
+                """,
+                [
+                    step.community.id,
+                    step.workflow.id,
+                    step.run.id,
+                    step.definition_event_id,
+                    bytes(step.message.id),
+                    step.created_at,
+                ],
+            )
+        finally:
+            cursor.execute("RESET workflow_delivery.timeline")
+        cursor.execute("VACUUM ANALYZE workflow_agent_deliveries")
+        statements = [
+            (sql.METRICS_PENDING, []),
+            (sql.METRICS_CLAIMED, []),
+            (sql.METRICS_TERMINAL, []),
+            (sql.PRUNE_BATCH, [step.created_at, 1000]),
+            (sql.PRUNE_COUNT, [step.created_at]),
+        ]
+        for statement, params in statements:
+            cursor.execute(f"EXPLAIN {statement}", params)
+            plan = "\n".join(line for (line,) in cursor.fetchall())
+            assert "Seq Scan on workflow_agent_deliveries" not in plan, plan
