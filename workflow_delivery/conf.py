@@ -22,6 +22,8 @@ DEFAULTS: dict[str, Any] = {
     "PRUNE_BATCH_SIZE": 1000,
     # Record each delivery's transitions (the timeline trigger) for the app's sessions.
     "TIMELINE": True,
+    # Community id (text) -> database alias holding it (workflow_delivery.routing).
+    "COMMUNITY_DATABASES": {},
 }
 
 

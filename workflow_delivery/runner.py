@@ -11,11 +11,13 @@ import logging
 import signal
 import threading
 import time
+from argparse import ArgumentParser
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import timedelta
 from types import FrameType
+from typing import Any
 
 from django.core.management.base import CommandError
 from django.db import (
@@ -27,7 +29,7 @@ from django.db import (
 )
 from django.db.models import Count
 
-from . import services
+from . import routing, services
 from .conf import app_settings, is_number, is_whole_number, parse_duration
 from .models import WorkflowAgentDelivery
 
@@ -105,6 +107,31 @@ def positive(option: str, value: object, *, whole: bool) -> None:
         raise CommandError(f"{option} must be a positive {noun}, not {value!r}")
 
 
+def add_database_options(parser: ArgumentParser, *, sweeping: bool) -> None:
+    parser.add_argument(
+        "--database", default=DEFAULT_DB_ALIAS, help="the database alias (default: default)"
+    )
+    if sweeping:
+        parser.add_argument(
+            "--all-databases",
+            action="store_true",
+            help="sweep every database alias that holds the app's tables, one after the other",
+        )
+
+
+def databases_option(options: dict[str, Any]) -> list[str]:
+    """The aliases a command works on: ``--database``, or every alias holding the app's
+    tables with ``--all-databases``."""
+    alias = options["database"]
+    if options.get("all_databases"):
+        if alias != DEFAULT_DB_ALIAS:
+            raise CommandError("--database and --all-databases exclude each other")
+        return routing.app_databases()
+    if alias not in connections:
+        raise CommandError(f"--database: no database alias {alias!r} in DATABASES")
+    return [alias]
+
+
 def duration_option(option: str, value: object) -> timedelta:
     """A retention option (``30d``, ``12h``, ``15m``, ``90s``); None reads
     ``WORKFLOW_DELIVERY_RETENTION``."""
@@ -174,24 +201,52 @@ class Reaper:
         max_backoff: float = 5.0,
         prune_older_than: timedelta | None = None,
         prune_batch_size: int | None = None,
+        databases: list[str] | None = None,
     ) -> None:
         self.batch_size = batch_size
         self.dry_run = dry_run
         self.using = using
+        # Every alias a sweep visits, one after the other (--all-databases).
+        self.databases = databases or [using]
         self.max_backoff = max_backoff
         # Retention as part of each sweep (off unless asked for).
         self.prune_older_than = prune_older_than
         self.prune_batch_size = prune_batch_size
 
-    def _expired(self):
-        return WorkflowAgentDelivery.objects.using(self.using).expired_leases()
+    def _expired(self, using: str):
+        return WorkflowAgentDelivery.objects.using(using).expired_leases()
 
     def sweep(self, number: int = 1, stop: StopRequest | None = None) -> Sweep:
+        """One pass over every database of the reaper (one by default)."""
+        if len(self.databases) == 1:
+            return self._sweep_one(number, stop, self.databases[0])
+        passes = []
+        for alias in self.databases:
+            if stop:
+                break
+            passes.append(self._sweep_one(number, stop, alias))
+        return Sweep(
+            number=number,
+            reclaimed=sum(p.reclaimed for p in passes),
+            skipped_inactive=sum(p.skipped_inactive for p in passes),
+            batches=sum(p.batches for p in passes),
+            seconds=sum(p.seconds for p in passes),
+            dry_run=self.dry_run,
+            by_community={
+                f"{alias}: {host}": count
+                for alias, p in zip(self.databases, passes, strict=False)
+                for host, count in p.by_community.items()
+            },
+            exhausted=sum(p.exhausted for p in passes),
+            pruned=None if self.prune_older_than is None else sum(p.pruned or 0 for p in passes),
+        )
+
+    def _sweep_one(self, number: int, stop: StopRequest | None, using: str) -> Sweep:
         started = time.monotonic()
         should_stop = (lambda: bool(stop)) if stop is not None else None
         pruned = None
         if self.dry_run:
-            expired = self._expired().in_active_communities()
+            expired = self._expired(using).in_active_communities()
             cap = app_settings.MAX_ATTEMPTS
             exhausted = 0 if cap is None else expired.filter(attempts__gte=cap).count()
             rows = (
@@ -202,7 +257,7 @@ class Reaper:
             by_community = dict(rows)
             reclaimed, batches = sum(by_community.values()) - exhausted, 0
             if self.prune_older_than is not None:
-                prunable = services.count_prunable(self.prune_older_than, using=self.using)
+                prunable = services.count_prunable(self.prune_older_than, using=using)
                 pruned = sum(prunable.values())
         else:
             by_community = {}
@@ -211,7 +266,7 @@ class Reaper:
                 batch_size=self.batch_size,
                 on_batch=lambda count, seconds: self._on_batch(batch_counts, count, seconds),
                 should_stop=should_stop,
-                using=self.using,
+                using=using,
             )
             reclaimed, exhausted = reaped.reclaimed, reaped.exhausted
             batches = len(batch_counts)
@@ -220,9 +275,9 @@ class Reaper:
                     older_than=self.prune_older_than,
                     batch_size=self.prune_batch_size,
                     should_stop=should_stop,
-                    using=self.using,
+                    using=using,
                 )
-        skipped = self._expired().in_fenced_communities().count()
+        skipped = self._expired(using).in_fenced_communities().count()
         return Sweep(
             number=number,
             reclaimed=reclaimed,
@@ -279,7 +334,8 @@ class Reaper:
 
     def _discard_connection(self) -> None:
         # The next pass reconnects; closing a dead connection may itself fail.
-        try:
-            connections[self.using].close()
-        except CONNECTION_ERRORS:
-            logger.debug("closing the broken connection failed", exc_info=True)
+        for alias in self.databases:
+            try:
+                connections[alias].close()
+            except CONNECTION_ERRORS:
+                logger.debug("closing the broken connection failed", exc_info=True)

@@ -10,7 +10,14 @@ from tqdm import tqdm
 
 from workflow_delivery import services
 from workflow_delivery.conf import app_settings
-from workflow_delivery.runner import duration_option, log_level, positive, stop_on_signals
+from workflow_delivery.runner import (
+    add_database_options,
+    databases_option,
+    duration_option,
+    log_level,
+    positive,
+    stop_on_signals,
+)
 
 
 class Command(BaseCommand):
@@ -35,6 +42,7 @@ class Command(BaseCommand):
         parser.add_argument(
             "--dry-run", action="store_true", help="count what would be deleted, per community"
         )
+        add_database_options(parser, sweeping=True)
 
     def handle(self, *args: Any, **options: Any) -> None:
         older_than = duration_option("--older-than", options["older_than"])
@@ -42,12 +50,18 @@ class Command(BaseCommand):
         if batch_size is None:
             batch_size = app_settings.PRUNE_BATCH_SIZE
         positive("--batch-size", batch_size, whole=True)
-        prunable = services.count_prunable(older_than)
+        databases = databases_option(options)
+        several = len(databases) > 1
+        prunable = {}
+        for alias in databases:
+            for host, count in services.count_prunable(older_than, using=alias).items():
+                prunable[f"{alias}: {host}" if several else host] = count
         if options["dry_run"]:
             for host, count in prunable.items():
                 self.stdout.write(f"{host}: would prune {count}")
             self.stdout.write(f"would prune {sum(prunable.values())} terminal deliveries")
             return
+        pruned = 0
         with log_level(options["verbosity"]), stop_on_signals() as stop:
             bar = tqdm(
                 total=sum(prunable.values()),
@@ -57,11 +71,15 @@ class Command(BaseCommand):
                 file=self.stderr,
             )
             with bar:
-                pruned = services.prune_deliveries(
-                    older_than=older_than,
-                    batch_size=batch_size,
-                    on_batch=lambda count, seconds: bar.update(count),
-                    should_stop=lambda: bool(stop),
-                )
+                for alias in databases:
+                    if stop:
+                        break
+                    pruned += services.prune_deliveries(
+                        older_than=older_than,
+                        batch_size=batch_size,
+                        on_batch=lambda count, seconds: bar.update(count),
+                        should_stop=lambda: bool(stop),
+                        using=alias,
+                    )
         ending = f"stopped by {stop.signal_name}: " if stop else ""
         self.stdout.write(f"{ending}pruned {pruned} terminal deliveries")

@@ -11,6 +11,8 @@ from workflow_delivery.conf import app_settings
 from workflow_delivery.runner import (
     Reaper,
     Sweep,
+    add_database_options,
+    databases_option,
     duration_option,
     log_level,
     positive,
@@ -47,6 +49,7 @@ class Command(BaseCommand):
             action="store_true",
             help="count what would be reclaimed, per community, without writing",
         )
+        add_database_options(parser, sweeping=True)
         parser.add_argument(
             "--prune",
             action="store_true",
@@ -78,7 +81,10 @@ class Command(BaseCommand):
         if options["prune"]:
             retention = duration_option("--older-than", options["older_than"])
         reaper = Reaper(
-            batch_size=batch_size, dry_run=options["dry_run"], prune_older_than=retention
+            batch_size=batch_size,
+            dry_run=options["dry_run"],
+            prune_older_than=retention,
+            databases=databases_option(options),
         )
         with log_level(options["verbosity"]):
             if loop:
