@@ -280,16 +280,21 @@ UPDATE workflow_agent_deliveries
 
 def _cliff_sweeps(conn, tenant: common.Tenant, desc: str) -> list[float]:
     """Seconds per reaper batch over CLIFF_SWEEPS sweeps of the healthy tenant's rows."""
+    from django.test.utils import override_settings
+
     from workflow_delivery import services
 
     seconds: list[float] = []
     for _ in tqdm(range(CLIFF_SWEEPS), desc=desc, unit="sweep", leave=False):
         conn.execute(_REARM, [tenant.community_id])
-        reclaimed = services.reap_expired_deliveries(
-            batch_size=CLIFF_BATCH,
-            yield_ratio=0,
-            on_batch=lambda count, elapsed: seconds.append(elapsed),
-        )
+        # The same rows are re-armed every sweep: without the attempts cap they stay
+        # reclaimable instead of being settled failed after MAX_ATTEMPTS sweeps.
+        with override_settings(WORKFLOW_DELIVERY_MAX_ATTEMPTS=None):
+            reclaimed = services.reap_expired_deliveries(
+                batch_size=CLIFF_BATCH,
+                yield_ratio=0,
+                on_batch=lambda count, elapsed: seconds.append(elapsed),
+            )
         if reclaimed != CLIFF_REAPABLE:
             raise RuntimeError(f"{desc}: reclaimed {reclaimed}, not {CLIFF_REAPABLE}")
     return seconds
@@ -342,6 +347,103 @@ def reap_cliff(db: common.BenchDb, options: Options) -> list[Figure]:
     ]
 
 
+def timeline(db: common.BenchDb, options: Options) -> list[Figure]:
+    """Service claim+finish with the timeline triggers on, against the same with them
+    off, whole phases alternating for ``rounds`` rounds."""
+    workers = options.workers or 8
+    rates: dict[bool, list[float]] = {True: [], False: []}
+    notes: list[str] = []
+    try:
+        for round_ in range(1, options.rounds + 1):
+            for enabled in (False, True):
+                with db.connect() as conn:
+                    common.set_timeline(conn, enabled)
+                label = "on" if enabled else "off"
+                phase = _cycle_phase(db, SERVICE, workers, options, f"timeline {label} #{round_}")
+                rates[enabled].append(phase.rate())
+                notes += _notes(phase)
+    finally:
+        with db.connect() as conn:
+            common.set_timeline(conn, True)
+    return [
+        Figure(
+            "timeline",
+            f"claim+finish with the timeline vs without, {workers} workers",
+            mean(rates[True]),
+            mean(rates[False]),
+            "cycles/s",
+            bar=0.9,
+            notes=notes,
+        )
+    ]
+
+
+def prune(db: common.BenchDb, options: Options) -> list[Figure]:
+    """8 workers' claim+finish rate while ``prune_deliveries`` deletes ``--rows``
+    terminal rows (with their timeline) of other communities, against their rate
+    before; and the longest prune batch."""
+    from workflow_delivery import services
+
+    workers = options.workers or 8
+    terminal = options.rows
+    with db.connect() as conn:
+        common.truncate_deliveries(conn)
+        tenant = common.create_tenant(conn, "load")
+        for n in range(REAP_COMMUNITIES):
+            share = terminal // REAP_COMMUNITIES + (n < terminal % REAP_COMMUNITIES)
+            settled = common.create_tenant(conn, f"settled{n}")
+            common.seed_deliveries(conn, settled, share, state=common.TERMINAL)
+        common.seed_deliveries(conn, tenant, _pending_rows(options, 3), state=common.PENDING)
+        common.vacuum(conn)
+    batches: list[tuple[int, float]] = []
+    pruned = 0
+
+    def driver() -> dict[str, tuple[float, float]]:
+        nonlocal pruned
+        quiet = sleep_window(options.seconds, "prune: workers alone")
+        with tqdm(total=terminal, desc="prune", unit="row", unit_scale=True, leave=False) as bar:
+
+            def on_batch(count: int, seconds: float) -> None:
+                batches.append((count, seconds))
+                bar.update(count)
+
+            started = time.monotonic()
+            pruned = services.prune_deliveries(older_than="0s", on_batch=on_batch)
+            ended = time.monotonic()
+        return {"quiet": quiet, "prune": (started, ended)}
+
+    specs = [Spec("cycle", SERVICE, i, db, tenant) for i in range(workers)]
+    phase = run_phase(
+        specs, seconds=options.seconds, warmup=options.warmup, desc="prune", driver=driver
+    )
+    start, end = phase.windows["prune"]
+    notes = _notes(phase)
+    if pruned < terminal:
+        notes.append(f"pruned {pruned:,} of {terminal:,} terminal rows")
+    longest = max((seconds for _, seconds in batches), default=0.0)
+    return [
+        Figure(
+            "prune",
+            f"worker rate during the prune vs without, {workers} workers",
+            phase.rate("prune"),
+            phase.rate("quiet"),
+            "cycles/s",
+            bar=0.7,
+            notes=notes,
+        ),
+        Figure("prune", f"prune of {terminal:,} terminal rows, total", end - start, None, "s"),
+        Figure(
+            "prune",
+            f"longest prune batch ({len(batches)} batches)",
+            longest,
+            None,
+            "s",
+            bar=1.0,
+            bar_below=True,
+        ),
+    ]
+
+
 def latency(db: common.BenchDb, options: Options) -> list[Figure]:
     figures = []
     for workers in (1, options.workers or 8):
@@ -366,4 +468,6 @@ BENCHMARKS: dict[str, Callable[[common.BenchDb, Options], list[Figure]]] = {
     "reap": reap,
     "reap_cliff": reap_cliff,
     "latency": latency,
+    "timeline": timeline,
+    "prune": prune,
 }

@@ -244,11 +244,23 @@ def seed_deliveries(
 
 
 def truncate_deliveries(conn: psycopg.Connection) -> None:
-    conn.execute("TRUNCATE workflow_agent_deliveries")
+    conn.execute("TRUNCATE workflow_delivery_timeline, workflow_agent_deliveries")
 
 
 def vacuum(conn: psycopg.Connection) -> None:
     conn.execute("VACUUM ANALYZE workflow_agent_deliveries")
+    conn.execute("VACUUM ANALYZE workflow_delivery_timeline")
+
+
+TIMELINE_TRIGGERS = ("wd_delivery_timeline", "wd_delivery_timeline_commit")
+
+
+def set_timeline(conn: psycopg.Connection, enabled: bool) -> None:
+    """Turn the timeline triggers on or off in the bench's own database (DDL: only
+    between phases, never while workers run)."""
+    verb = "ENABLE" if enabled else "DISABLE"
+    for trigger in TIMELINE_TRIGGERS:
+        conn.execute(f"ALTER TABLE workflow_agent_deliveries {verb} TRIGGER {trigger}")
 
 
 def percentile(values: list[float], q: float) -> float:

@@ -206,7 +206,7 @@ def test_mark_failed_is_an_operator_terminal_of_non_terminal_rows(admin_client, 
         admin_client, WorkflowAgentDelivery, "mark_failed", [pending, claimed, finished]
     )
 
-    assert reported == ["Mark failed: 2 done, 1 skipped."]
+    assert reported == ["Mark failed: 2 done, 1 skipped (1 already terminal)."]
     statuses = {i: delivery(i).status for i in (pending, claimed, finished)}
     assert statuses == {pending: "failed", claimed: "failed", finished: "finished"}
     assert delivery(pending).finished_at is not None
@@ -226,7 +226,7 @@ def test_actions_skip_the_rows_of_a_quiescing_community(admin_client, action):
 
     reported = run_action(admin_client, WorkflowAgentDelivery, action, ids)
 
-    assert reported[0].endswith(": 1 done, 1 skipped.")
+    assert reported[0].endswith(": 1 done, 1 skipped (1 community not active).")
     assert delivery(ids[0]).status != DeliveryStatus.CLAIMED
     assert delivery(ids[1]).status == DeliveryStatus.CLAIMED
 
@@ -241,7 +241,7 @@ def test_reap_action_reclaims_expired_leases_and_skips_fenced_communities(admin_
 
     reported = run_action(admin_client, WorkflowAgentDelivery, "reap_expired_leases", ids[:1])
 
-    assert reported == ["Reap expired leases: 1 done, 1 skipped."]
+    assert reported == ["Reap expired leases: 1 done, 1 skipped (1 in communities not active)."]
     assert (delivery(ids[0]).status, delivery(ids[0]).lease_generation) == ("pending", 2)
     assert delivery(ids[1]).status == DeliveryStatus.CLAIMED
     assert LogEntry.objects.filter(change_message__startswith="Reaped 1 expired").exists()
@@ -256,7 +256,11 @@ def test_community_lifecycle_moves_only_through_the_fence_executor(admin_client)
         community.refresh_from_db()
         return reported, community.deletion_state, community.deletion_fence_generation
 
-    assert move("fence_communities") == ("Fence: 0 done, 1 skipped.", "active", generation)
+    assert move("fence_communities") == (
+        "Fence: 0 done, 1 skipped (1 not quiescing).",
+        "active",
+        generation,
+    )
     assert move("begin_deletion") == (
         "Begin deletion: 1 done, 0 skipped.",
         "quiescing",
@@ -270,7 +274,7 @@ def test_community_lifecycle_moves_only_through_the_fence_executor(admin_client)
     move("begin_deletion")
     assert move("fence_communities") == ("Fence: 1 done, 0 skipped.", "fenced", generation + 4)
     assert move("cancel_deletion") == (
-        "Cancel deletion: 0 done, 1 skipped.",
+        "Cancel deletion: 0 done, 1 skipped (1 not quiescing).",
         "fenced",
         generation + 4,
     )

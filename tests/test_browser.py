@@ -80,3 +80,79 @@ def test_operator_logs_in_filters_by_status_and_opens_a_delivery(
     assert str(claimed.id) in detail
     assert step.targets[1].hex() in detail
     assert "claimed" in detail
+
+
+SCREENSHOTS = Path(__file__).resolve().parent / "screenshots"
+
+
+@pytest.fixture
+def screenshots(request) -> Path:
+    """A folder named by the test for a person to look at (git-ignored)."""
+    folder = SCREENSHOTS / request.node.name
+    folder.mkdir(parents=True, exist_ok=True)
+    for old in folder.glob("*.png"):
+        old.unlink()
+    return folder
+
+
+def log_in(browser: webdriver.Chrome, live_server, path: str) -> None:
+    browser.get(f"{live_server.url}{path}")
+    browser.find_element(By.NAME, "username").send_keys("operator")
+    browser.find_element(By.NAME, "password").send_keys(PASSWORD)
+    browser.find_element(By.CSS_SELECTOR, "#login-form [type=submit]").click()
+
+
+@pytest.mark.browser
+def test_operator_reads_the_overview_the_list_at_1400px_and_a_timeline(
+    browser, live_server, django_user_model, screenshots
+):
+    django_user_model.objects.create_superuser("operator", password=PASSWORD)
+    step = factories.Step(targets=3)
+    services.commit_deliveries(step.community.id, step.created_at, step.new_deliveries())
+    lease, record = services.claim_delivery(step.community.id, step.targets[0])
+    services.finish_delivery(lease, "finished")
+    services.claim_delivery(step.community.id, step.targets[1])
+    wait = WebDriverWait(browser, 30)
+    browser.set_window_size(1400, 900)
+
+    log_in(browser, live_server, "/admin/workflow_delivery/workflowagentdelivery/overview/")
+    wait.until(expected_conditions.presence_of_element_located((By.ID, "wd-communities")))
+    row = browser.find_element(By.CSS_SELECTOR, f'tr[data-community="{step.community.host}"]')
+    counts = {
+        cell.get_attribute("data-status"): cell.text
+        for cell in row.find_elements(By.CSS_SELECTOR, "td[data-status]")
+    }
+    assert counts == {"pending": "1", "claimed": "1", "finished": "1", "failed": "0"}
+    plot = browser.find_element(By.CSS_SELECTOR, "svg.wd-settles")
+    assert plot.size["width"] > 600 and plot.size["height"] > 100
+    assert len(plot.find_elements(By.TAG_NAME, "rect")) == 60
+    browser.save_screenshot(str(screenshots / "overview.png"))
+
+    browser.get(f"{live_server.url}/admin/workflow_delivery/workflowagentdelivery/")
+    wait.until(expected_conditions.presence_of_element_located((By.ID, "result_list")))
+    browser.save_screenshot(str(screenshots / "list-1400px.png"))
+    # The list fits the window: no horizontal scrollbar, one short line per row.
+    for element in ("document.documentElement", "document.querySelector('#changelist .results')"):
+        overflow = browser.execute_script(
+            f"const e = {element}; return e.scrollWidth - e.clientWidth"
+        )
+        assert overflow <= 0, element
+    heights = [
+        r.size["height"] for r in browser.find_elements(By.CSS_SELECTOR, "#result_list tbody tr")
+    ]
+    assert heights and max(heights) < 50
+
+    browser.find_element(By.NAME, "q").send_keys(step.targets[0].hex()[:12] + "\n")
+    wait.until(expected_conditions.url_contains("q="))
+    rows = browser.find_elements(By.CSS_SELECTOR, "#result_list tbody tr")
+    assert len(rows) == 1
+    rows[0].find_element(By.CSS_SELECTOR, "th a").click()
+    wait.until(expected_conditions.url_contains(f"/{record.id}/change/"))
+    timeline = browser.find_element(By.CSS_SELECTOR, "table.wd-timeline")
+    kinds = [
+        line.find_elements(By.TAG_NAME, "td")[1].text
+        for line in timeline.find_elements(By.CSS_SELECTOR, "tbody tr")
+    ]
+    assert kinds == ["committed", "claimed", "finished"]
+    browser.execute_script("arguments[0].scrollIntoView()", timeline)
+    browser.save_screenshot(str(screenshots / "timeline.png"))

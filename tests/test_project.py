@@ -122,3 +122,22 @@ def test_migrations_are_reversible():
 
 def test_no_model_change_lacks_a_migration(db):
     call_command("makemigrations", "workflow_delivery", check=True, dry_run=True, verbosity=0)
+
+
+@pytest.mark.parametrize(
+    ("setting", "value", "expected"),
+    [
+        ("WORKFLOW_DELIVERY_MAX_ATTEMPTS", 0, "workflow_delivery.E008"),
+        ("WORKFLOW_DELIVERY_MAX_ATTEMPTS", "20", "workflow_delivery.E008"),
+        ("WORKFLOW_DELIVERY_RETENTION", "a month", "workflow_delivery.E009"),
+        ("WORKFLOW_DELIVERY_PRUNE_BATCH_SIZE", 0, "workflow_delivery.E002"),
+    ],
+)
+def test_settings_checks_report_a_bad_cap_retention_or_prune_batch(setting, value, expected):
+    with override_settings(**{setting: value}):
+        assert [error.id for error in checks.check_settings()] == [expected]
+
+
+@override_settings(WORKFLOW_DELIVERY_MAX_ATTEMPTS=None, WORKFLOW_DELIVERY_RETENTION="0s")
+def test_no_cap_and_a_zero_retention_are_valid():
+    assert checks.check_settings() == []

@@ -20,27 +20,37 @@ from django.contrib.admin.options import IncorrectLookupParameters
 from django.contrib.admin.utils import flatten_fieldsets, quote
 from django.contrib.admin.views.main import ChangeList
 from django.contrib.contenttypes.models import ContentType
-from django.core.exceptions import ValidationError
+from django.core.exceptions import PermissionDenied, ValidationError
 from django.db import DataError, transaction
 from django.db.models import Model, Q, QuerySet
-from django.http import HttpRequest, HttpResponse, HttpResponseBadRequest
-from django.urls import reverse
+from django.http import (
+    HttpRequest,
+    HttpResponse,
+    HttpResponseBadRequest,
+    HttpResponseNotAllowed,
+    HttpResponseRedirect,
+)
+from django.template.response import TemplateResponse
+from django.urls import path, reverse
 from django.utils import timezone
 from django.utils.dateformat import format as date_format
-from django.utils.html import format_html
+from django.utils.html import format_html, format_html_join
 from django.utils.safestring import SafeString
 
-from . import fence, services
+from . import fence, metrics, overview, services
 from .exceptions import CommunityNotFound, InvalidLifecycleTransition
 from .models import (
+    STATUSES,
+    TERMINAL_STATUSES,
     Community,
     DeletionState,
+    DeliveryTransition,
     Event,
     Workflow,
     WorkflowAgentDelivery,
     WorkflowRun,
 )
-from .protocol import CauseKind
+from .protocol import CauseKind, DeliveryStatus
 
 HEX64 = re.compile(r"[0-9a-fA-F]{64}")
 SHORT_HEX = 12
@@ -49,6 +59,8 @@ SHORT_HEX = 12
 MAX_ACTION_ROWS = 1000
 # The reap action's bound: at most this many batches, flat out (no rests), per request.
 REAP_ACTION_BATCHES = 10
+# A key's start as the lists show it (at least SHORT_HEX hex digits, whole bytes).
+HEX_PREFIX = re.compile(rf"(?:[0-9a-fA-F]{{2}}){{{SHORT_HEX // 2},31}}")
 
 
 def _hex(value: bytes | memoryview) -> str:
@@ -60,6 +72,20 @@ def _short(full: str, keep: int = SHORT_HEX) -> SafeString:
     return format_html('<span title="{}">{}…</span>', full, full[:keep])
 
 
+def _prefix_range(field: str, prefix: bytes) -> Q:
+    """Keys starting with ``prefix`` as one range on the bytes (an index can serve it;
+    a LIKE over bytea cannot): ``prefix <= key < the next prefix``."""
+    stripped = prefix.rstrip(b"\xff")
+    if not stripped:
+        return Q(**{f"{field}__gte": prefix})
+    upper = stripped[:-1] + bytes([stripped[-1] + 1])
+    return Q(**{f"{field}__gte": prefix, f"{field}__lt": upper})
+
+
+def _as_q(lookup: tuple[str, object] | Q) -> Q:
+    return lookup if isinstance(lookup, Q) else Q(**{lookup[0]: lookup[1]})
+
+
 def _link(model: type[Model], object_id: object, label: object) -> SafeString:
     opts = model._meta
     url = reverse(f"admin:{opts.app_label}_{opts.model_name}_change", args=[quote(object_id)])
@@ -69,6 +95,15 @@ def _link(model: type[Model], object_id: object, label: object) -> SafeString:
 def _when(value: datetime) -> str:
     """To the second: leases are seconds long."""
     return date_format(timezone.localtime(value), "Y-m-d H:i:s T")
+
+
+def _when_short(value: datetime) -> SafeString:
+    """For the list: the time of day (with the month and day if not today); the full
+    timestamp on hover."""
+    local = timezone.localtime(value)
+    today = timezone.localtime().date() == local.date()
+    shown = date_format(local, "H:i:s" if today else "m-d H:i")
+    return format_html('<span title="{}">{}</span>', _when(value), shown)
 
 
 def shown_as(
@@ -89,8 +124,8 @@ def hex_field(name: str, *, short: bool = False) -> Callable[[Model], object]:
     return shown_as(name, (lambda value: _short(_hex(value))) if short else _hex)
 
 
-def time_field(name: str) -> Callable[[Model], object]:
-    return shown_as(name, _when, ordering=name)
+def time_field(name: str, *, short: bool = False) -> Callable[[Model], object]:
+    return shown_as(name, _when_short if short else _when, ordering=name)
 
 
 class GuardedChangeList(ChangeList):
@@ -167,24 +202,36 @@ class ReadOnlyAdmin(admin.ModelAdmin):
             lookups = self._search_lookups(term)
             if not lookups:
                 return queryset.none(), False
-            queryset = queryset.filter(reduce(operator.or_, (Q(**{k: v}) for k, v in lookups)))
+            queryset = queryset.filter(reduce(operator.or_, map(_as_q, lookups)))
         return queryset, False
 
-    def _search_lookups(self, term: str) -> list[tuple[str, object]]:
+    def _search_lookups(self, term: str) -> list[tuple[str, object] | Q]:
         if HEX64.fullmatch(term):
             key = bytes.fromhex(term)
             return [(field, key) for field in self.hex_search_fields]
+        prefix = term.rstrip("…")
+        if self.hex_search_fields and HEX_PREFIX.fullmatch(prefix):
+            return [_prefix_range(field, bytes.fromhex(prefix)) for field in self.hex_search_fields]
         try:
             value = uuid.UUID(term)
         except ValueError:
             return [(f"{field}__icontains", term) for field in self.search_fields]
         return [(field, value) for field in self.uuid_search_fields]
 
-    def _report(self, request: HttpRequest, action: str, done: int, considered: int) -> None:
+    def _report(
+        self,
+        request: HttpRequest,
+        action: str,
+        done: int,
+        considered: int,
+        reasons: dict[str, int] | None = None,
+    ) -> None:
+        """ "N done, M skipped (why)": ``reasons`` counts the skipped rows by reason."""
         skipped = considered - done
+        why = ", ".join(f"{n} {reason}" for reason, n in (reasons or {}).items() if n)
         self.message_user(
             request,
-            f"{action}: {done} done, {skipped} skipped.",
+            f"{action}: {done} done, {skipped} skipped{f' ({why})' if skipped and why else ''}.",
             messages.WARNING if skipped else messages.SUCCESS,
         )
 
@@ -265,7 +312,9 @@ class CommunityAdmin(ReadOnlyAdmin):
         _log_operator_change(
             request, Community, moved, f"{label} ({source} -> {target}) by an operator"
         )
-        self._report(request, label, len(moved), queryset.count())
+        considered = queryset.count()
+        skipped = {f"not {source}": considered - len(moved)}
+        self._report(request, label, len(moved), considered, skipped)
 
     begin_deletion = lifecycle_action(
         "begin_community_deletion", "Begin deletion", DeletionState.ACTIVE, DeletionState.QUIESCING
@@ -416,39 +465,69 @@ class ExpiredLeaseFilter(admin.SimpleListFilter):
 
     def queryset(self, request: HttpRequest, queryset: QuerySet) -> QuerySet:
         if self.value() == "expired":
-            return queryset.expired_leases()
+            # The reaper never takes a lease of a community that is not active.
+            return queryset.expired_leases().in_active_communities()
         return queryset
+
+
+def _why_skipped(considered: list[uuid.UUID], done: list[uuid.UUID]) -> dict[str, int]:
+    """The rows an operator action left alone, counted by why (read after the action)."""
+    left = WorkflowAgentDelivery.objects.filter(pk__in=set(considered) - set(done))
+    reasons: dict[str, int] = defaultdict(int)
+    for state, status in left.values_list("community__deletion_state", "status"):
+        if state != DeletionState.ACTIVE:
+            reasons["community not active"] += 1
+        elif status in TERMINAL_STATUSES:
+            reasons["already terminal"] += 1
+        elif status == DeliveryStatus.PENDING:
+            reasons["not claimed"] += 1
+        else:
+            reasons["changed meanwhile"] += 1
+    return reasons
 
 
 @admin.register(WorkflowAgentDelivery)
 class DeliveryAdmin(ReadOnlyAdmin):
+    # What an operator reads first, in one short line per row at 1,400 px; the
+    # workflow, run, cause identity and settle times are on the delivery's page.
     list_display = [
         "delivery",
         "status",
         community_link,
-        workflow_link,
-        "run_link",
         "step_id",
         hex_field("target_pubkey", short=True),
-        "cause",
-        "lease_generation",
-        "lease_expiry",
-        time_field("claimed_at"),
-        time_field("finished_at"),
-        time_field("created_at"),
+        "attempts",
+        "generation",
+        "lease_expiry_short",
+        time_field("created_at", short=True),
     ]
     list_filter = ["status", "cause_kind", "community", ExpiredLeaseFilter]
     list_select_related = ["community", "workflow"]
     date_hierarchy = "created_at"
     show_full_result_count = False
+    change_list_template = "admin/workflow_delivery/workflowagentdelivery/change_list.html"
     search_fields = ["step_id"]
     uuid_search_fields = ("id", "run_id")
     hex_search_fields = ("target_pubkey", "message_event_id")
     search_help_text = (
-        "A delivery or run id, a 64-hex target or message event id, or part of a step id."
+        "A delivery or run id, a target or message event id (64 hex, or its first 12 hex "
+        "as the list shows it), or part of a step id."
     )
     fieldsets = [
-        (None, {"fields": ["id", "status", community_link, workflow_link, "run_link", "step_id"]}),
+        (
+            None,
+            {
+                "fields": [
+                    "id",
+                    "status",
+                    community_link,
+                    "community_notice",
+                    workflow_link,
+                    "run_link",
+                    "step_id",
+                ]
+            },
+        ),
         (None, {"fields": [hex_field("target_pubkey"), hex_field("definition_event_id")]}),
         ("Message", {"fields": ["message_event_link", time_field("message_event_created_at")]}),
         (
@@ -466,6 +545,7 @@ class DeliveryAdmin(ReadOnlyAdmin):
             "Lease",
             {
                 "fields": [
+                    "attempts",
                     "lease_generation",
                     "lease_expiry",
                     time_field("claimed_at"),
@@ -474,6 +554,7 @@ class DeliveryAdmin(ReadOnlyAdmin):
             },
         ),
         (None, {"fields": [time_field("created_at")]}),
+        ("Timeline", {"fields": ["timeline"]}),
     ]
     actions = ["reap_expired_leases", "release_leases", "mark_failed"]
 
@@ -504,6 +585,61 @@ class DeliveryAdmin(ReadOnlyAdmin):
             identity = _short(str(obj.cause_webhook_invocation_id), keep=8)
         return format_html("{} {}", obj.cause_kind, identity)
 
+    @admin.display(description="community state")
+    def community_notice(self, obj: WorkflowAgentDelivery) -> str | SafeString:
+        state = obj.community.deletion_state
+        if state == DeletionState.ACTIVE:
+            return state
+        if obj.status == DeliveryStatus.CLAIMED:
+            effect = "the reaper skips this lease"
+        else:
+            effect = "nothing writes to this delivery"
+        return format_html(
+            '<strong class="wd-community-inactive">community {}: {}</strong>', state, effect
+        )
+
+    @admin.display(description="timeline")
+    def timeline(self, obj: WorkflowAgentDelivery) -> SafeString:
+        entries = DeliveryTransition.objects.filter(
+            community_id=obj.community_id, delivery_id=obj.id
+        ).order_by("id")
+        rows = format_html_join(
+            "",
+            "<tr><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td></tr>",
+            (
+                (
+                    _when(entry.at),
+                    entry.kind,
+                    f"{entry.status_before or '—'} → {entry.status_after}",
+                    entry.generation,
+                    entry.attempts,
+                    entry.actor,
+                )
+                for entry in entries
+            ),
+        )
+        if not rows:
+            return format_html("{}", "No transition recorded (the timeline may be turned off).")
+        return format_html(
+            '<table class="wd-timeline"><thead><tr><th>at</th><th>transition</th>'
+            "<th>status</th><th>generation</th><th>attempts</th><th>actor</th></tr></thead>"
+            "<tbody>{}</tbody></table>",
+            rows,
+        )
+
+    @admin.display(description="gen", ordering="lease_generation")
+    def generation(self, obj: WorkflowAgentDelivery) -> int:
+        return obj.lease_generation
+
+    @admin.display(description="lease until", ordering="lease_until")
+    def lease_expiry_short(self, obj: WorkflowAgentDelivery) -> SafeString | None:
+        if obj.lease_until is None:
+            return None
+        shown = _when_short(obj.lease_until)
+        if obj.lease_until < timezone.now():
+            return format_html('<strong class="wd-lease-expired">{} (expired)</strong>', shown)
+        return shown
+
     @admin.display(description="lease until", ordering="lease_until")
     def lease_expiry(self, obj: WorkflowAgentDelivery) -> str | None:
         if obj.lease_until is None:
@@ -520,10 +656,13 @@ class DeliveryAdmin(ReadOnlyAdmin):
         description="Reap every expired lease now (all communities, not only the selected)",
     )
     def reap_expired_leases(self, request: HttpRequest, queryset: QuerySet) -> None:
+        self._reap_now(request)
+
+    def _reap_now(self, request: HttpRequest) -> None:
         # Bounded inside the HTTP request: a few batches flat out, never the rests of a
         # full sweep; the reap_deliveries command or loop does the rest.
         batches = []
-        reclaimed = services.reap_expired_deliveries(
+        reaped = services.reap_deliveries(
             yield_ratio=0,
             on_batch=lambda count, seconds: batches.append(count),
             should_stop=lambda: len(batches) >= REAP_ACTION_BATCHES,
@@ -533,9 +672,62 @@ class DeliveryAdmin(ReadOnlyAdmin):
             request,
             WorkflowAgentDelivery,
             None,
-            f"Reaped {reclaimed} expired leases; {skipped} left in communities not active",
+            f"Reaped {reaped.total} expired leases ({reaped.exhausted} settled failed: every "
+            f"attempt used); {skipped} left in communities not active",
         )
-        self._report(request, "Reap expired leases", reclaimed, reclaimed + skipped)
+        self._report(
+            request,
+            "Reap expired leases",
+            reaped.total,
+            reaped.total + skipped,
+            {"in communities not active": skipped},
+        )
+        if reaped.exhausted:
+            self.message_user(
+                request,
+                f"{reaped.exhausted} of them had used every attempt: settled failed.",
+                messages.WARNING,
+            )
+
+    def reap_view(self, request: HttpRequest) -> HttpResponse:
+        """ "Reap expired leases now" from the list page, without selecting a row."""
+        if request.method != "POST":
+            return HttpResponseNotAllowed(["POST"])
+        if not self.has_reap_deliveries_permission(request):
+            raise PermissionDenied
+        self._reap_now(request)
+        return HttpResponseRedirect(
+            reverse("admin:workflow_delivery_workflowagentdelivery_changelist")
+        )
+
+    def overview_view(self, request: HttpRequest) -> HttpResponse:
+        """Per community: fence state, counts by status, oldest pending age, expired
+        leases; and settles per minute over the last hour, drawn as SVG."""
+        figures = sorted(metrics.community_figures().values(), key=lambda f: f.host)
+        per_minute = overview.settles_per_minute()
+        context = {
+            **self.admin_site.each_context(request),
+            "opts": self.opts,
+            "title": "Delivery overview",
+            "communities": figures,
+            "statuses": STATUSES,
+            "plot": overview.settles_plot(per_minute),
+            "settled_last_hour": sum(per_minute),
+            "can_reap": self.has_reap_deliveries_permission(request),
+        }
+        return TemplateResponse(request, "admin/workflow_delivery/overview.html", context)
+
+    def get_urls(self) -> list:
+        view = self.admin_site.admin_view
+        return [
+            path("overview/", view(self.overview_view), name="workflow_delivery_overview"),
+            path("reap/", view(self.reap_view), name="workflow_delivery_reap"),
+            *super().get_urls(),
+        ]
+
+    def changelist_view(self, request: HttpRequest, extra_context: dict | None = None):
+        extra = {"can_reap": self.has_reap_deliveries_permission(request)}
+        return super().changelist_view(request, {**(extra_context or {}), **extra})
 
     @admin.action(permissions=["release_delivery"], description="Release the lease")
     def release_leases(self, request: HttpRequest, queryset: QuerySet) -> None:
@@ -561,7 +753,7 @@ class DeliveryAdmin(ReadOnlyAdmin):
         self,
         request: HttpRequest,
         queryset: QuerySet,
-        service: Callable[[uuid.UUID, list[uuid.UUID]], list[uuid.UUID]],
+        service: Callable[..., list[uuid.UUID]],
         action: str,
         log_message: str,
     ) -> None:
@@ -570,12 +762,19 @@ class DeliveryAdmin(ReadOnlyAdmin):
         by_community: dict[uuid.UUID, list[uuid.UUID]] = defaultdict(list)
         for community_id, delivery_id in queryset.values_list("community_id", "id"):
             by_community[community_id].append(delivery_id)
-        done = [i for community, ids in by_community.items() for i in service(community, ids)]
+        operator = request.user.get_username()
+        done = [
+            i
+            for community, ids in by_community.items()
+            for i in service(community, ids, operator=operator)
+        ]
         if done:
             changed = WorkflowAgentDelivery.objects.filter(pk__in=done)
             _log_operator_change(request, WorkflowAgentDelivery, changed, log_message)
-        self._report(request, action, len(done), sum(map(len, by_community.values())))
+        considered = [i for ids in by_community.values() for i in ids]
+        self._report(request, action, len(done), len(considered), _why_skipped(considered, done))
 
     has_reap_deliveries_permission = operator_permission("reap_deliveries")
+
     has_release_delivery_permission = operator_permission("release_delivery")
     has_fail_delivery_permission = operator_permission("fail_delivery")

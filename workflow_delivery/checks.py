@@ -7,7 +7,14 @@ from typing import Any
 from django.core import checks
 from django.db import connections
 
-from .conf import LEASE_SECONDS_BOUND, app_settings, is_number, is_whole_number, is_yield_ratio
+from .conf import (
+    LEASE_SECONDS_BOUND,
+    app_settings,
+    is_number,
+    is_whole_number,
+    is_yield_ratio,
+    parse_duration,
+)
 
 E001_MSG = "workflow_delivery needs PostgreSQL: database {alias!r} uses the {vendor!r} backend."
 E001_HINT = "Point this database at PostgreSQL 13 or newer (django.db.backends.postgresql)."
@@ -23,6 +30,10 @@ E005_MSG = "WORKFLOW_DELIVERY_REAP_YIELD_RATIO must be a number from 0 to 100, g
 E006_MSG = (
     "WORKFLOW_DELIVERY_MAX_LEASE_SECONDS ({value}) exceeds {bound} (10 years), the longest "
     "lease the app hands out: a lease end must stay far inside PostgreSQL's timestamp range."
+)
+E008_MSG = "WORKFLOW_DELIVERY_MAX_ATTEMPTS must be None or a positive whole number, got {value!r}."
+E009_MSG = (
+    "WORKFLOW_DELIVERY_RETENTION must be a duration such as 30d, 12h, 15m or 90s, got {value!r}."
 )
 
 
@@ -50,7 +61,12 @@ def check_postgresql(app_configs: Any = None, **kwargs: Any) -> list:
 @checks.register()
 def check_settings(app_configs: Any = None, **kwargs: Any) -> list:
     errors = []
-    for name in ("DEFAULT_LEASE_SECONDS", "MAX_LEASE_SECONDS", "REAP_BATCH_SIZE"):
+    for name in (
+        "DEFAULT_LEASE_SECONDS",
+        "MAX_LEASE_SECONDS",
+        "REAP_BATCH_SIZE",
+        "PRUNE_BATCH_SIZE",
+    ):
         value = getattr(app_settings, name)
         if not _positive_int(value):
             errors.append(
@@ -76,4 +92,12 @@ def check_settings(app_configs: Any = None, **kwargs: Any) -> list:
     ratio = app_settings.REAP_YIELD_RATIO
     if not is_yield_ratio(ratio):
         errors.append(checks.Error(E005_MSG.format(value=ratio), id="workflow_delivery.E005"))
+    cap = app_settings.MAX_ATTEMPTS
+    if cap is not None and not _positive_int(cap):
+        errors.append(checks.Error(E008_MSG.format(value=cap), id="workflow_delivery.E008"))
+    retention = app_settings.RETENTION
+    try:
+        parse_duration(retention)
+    except ValueError:
+        errors.append(checks.Error(E009_MSG.format(value=retention), id="workflow_delivery.E009"))
     return errors

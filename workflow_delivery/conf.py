@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import math
+import re
+from datetime import timedelta
 from typing import Any
 
 from django.conf import settings
@@ -18,6 +20,15 @@ DEFAULTS: dict[str, Any] = {
     # after the commit, or (IN_TRANSACTION) from the insert itself, which costs more.
     "NOTIFY": True,
     "NOTIFY_IN_TRANSACTION": False,
+    # Claims a delivery may use; an expired lease past it is settled failed. None: no cap.
+    "MAX_ATTEMPTS": 20,
+    # How long terminal deliveries are kept (prune_deliveries, reap_deliveries --prune).
+    "RETENTION": "30d",
+    "PRUNE_BATCH_SIZE": 1000,
+    # Record each delivery's transitions (the timeline trigger) for the app's sessions.
+    "TIMELINE": True,
+    # Community id (text) -> database alias holding it (workflow_delivery.routing).
+    "COMMUNITY_DATABASES": {},
 }
 
 
@@ -53,3 +64,23 @@ def is_number(value: object) -> bool:
 def is_yield_ratio(value: object) -> bool:
     """How long the reaper rests after a full batch, in multiples of that batch."""
     return is_number(value) and 0 <= value <= 100
+
+
+_DURATION = re.compile(r"(\d+)([dhms])")
+_UNIT_SECONDS = {"d": 86400, "h": 3600, "m": 60, "s": 1}
+
+
+def parse_duration(value: object) -> timedelta:
+    """``30d``, ``12h``, ``15m`` or ``90s`` (a ``timedelta`` passes as it is, if not
+    negative); anything else is a ValueError naming the accepted forms."""
+    if isinstance(value, timedelta):
+        if value < timedelta(0):
+            raise ValueError(f"a duration cannot be negative, not {value}")
+        return value
+    match = _DURATION.fullmatch(value.strip()) if isinstance(value, str) else None
+    if match is None:
+        raise ValueError(
+            f"a duration is a whole number followed by d, h, m or s (30d, 12h, 15m, 90s), "
+            f"not {value!r}"
+        )
+    return timedelta(seconds=int(match[1]) * _UNIT_SECONDS[match[2]])

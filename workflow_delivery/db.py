@@ -45,6 +45,20 @@ if psycopg is not None:
             return super().execute(query, params, prepare=True, binary=True)
 
 
+def _sync_timeline(wrapper: Any, raw: Any) -> None:
+    """Tell this session whether the timeline trigger records (``WORKFLOW_DELIVERY_TIMELINE``).
+    A session setting, sent once per connection and again only when the setting changes;
+    a session that never hears it records (the database's default)."""
+    wanted = bool(app_settings.TIMELINE)
+    told = getattr(wrapper, "_wd_timeline", None)
+    recording = told[1] if told is not None and told[0] == id(raw) else True
+    if recording == wanted:
+        return
+    with wrapper.cursor() as setter:
+        setter.execute(sql.SET_TIMELINE, ["on" if wanted else "off"])
+    wrapper._wd_timeline = (id(raw), wanted)
+
+
 @contextmanager
 def cursor(using: str, *, savepoint: bool = True) -> Iterator[Any]:
     """A cursor for the app's own statements, with database errors made domain errors.
@@ -64,6 +78,7 @@ def cursor(using: str, *, savepoint: bool = True) -> Iterator[Any]:
         wrapper.close_if_health_check_failed()
         wrapper.ensure_connection()
         raw = wrapper.connection
+        _sync_timeline(wrapper, raw)
         prepared = app_settings.PREPARED_STATEMENTS and psycopg is not None
         if not prepared or not isinstance(raw, psycopg.Connection):
             with sql.database_errors(), wrapper.cursor() as cursor:

@@ -243,6 +243,7 @@ class WorkflowAgentDelivery(models.Model):
         choices=[(status, status) for status in STATUSES], default=PENDING, db_default=PENDING
     )
     lease_generation = models.BigIntegerField(default=0, db_default=0)
+    attempts = models.IntegerField(default=0, db_default=0, editable=False)
     lease_until = models.DateTimeField(null=True, blank=True)
     claimed_at = models.DateTimeField(null=True, blank=True)
     finished_at = models.DateTimeField(null=True, blank=True)
@@ -307,6 +308,9 @@ class WorkflowAgentDelivery(models.Model):
                 condition=Q(lease_generation__gte=0), name="wd_delivery_lease_generation_nonneg"
             ),
             models.CheckConstraint(
+                condition=Q(attempts__gte=0), name="wd_delivery_attempts_nonneg"
+            ),
+            models.CheckConstraint(
                 condition=Q(
                     status=CLAIMED,
                     lease_until__isnull=False,
@@ -339,7 +343,71 @@ class WorkflowAgentDelivery(models.Model):
                 fields=["community", "message_event_created_at", "message_event"],
                 name="wd_delivery_message_idx",
             ),
+            # Retention and the per-status counts of terminal rows read this, never the heap.
+            models.Index(
+                fields=["community", "status", "finished_at"],
+                condition=Q(status__in=TERMINAL_STATUSES),
+                name="wd_delivery_settled_idx",
+            ),
         ]
 
     def __str__(self) -> str:
         return str(self.id)
+
+
+class TransitionKind(models.TextChoices):
+    COMMITTED = "committed"
+    CLAIMED = "claimed"
+    FINISHED = "finished"
+    FAILED = "failed"
+    REAPED = "reaped"
+    RELEASED = "released"
+    OPERATOR_FAILED = "operator_failed"
+    ATTEMPTS_EXHAUSTED = "attempts_exhausted"
+
+
+# The kinds that settle a delivery (the admin overview plots them per minute).
+SETTLE_KINDS = [
+    TransitionKind.FINISHED.value,
+    TransitionKind.FAILED.value,
+    TransitionKind.OPERATOR_FAILED.value,
+    TransitionKind.ATTEMPTS_EXHAUSTED.value,
+]
+
+
+class DeliveryTransition(models.Model):
+    """One step of a delivery's timeline. Written only by the database (the trigger
+    ``wd_delivery_timeline`` on the delivery table), so a raw UPDATE is recorded too;
+    deleted with its delivery."""
+
+    id = models.BigAutoField(primary_key=True)
+    community = _tenant_fk(Community, related_name="+")
+    delivery = _tenant_fk(WorkflowAgentDelivery, related_name="timeline")
+    at = models.DateTimeField()
+    kind = models.TextField(choices=TransitionKind.choices)
+    generation = models.BigIntegerField()
+    attempts = models.IntegerField()
+    status_before = models.TextField(null=True, blank=True)  # noqa: DJ001 (none before a commit)
+    status_after = models.TextField()
+    actor = models.TextField()
+
+    class Meta:
+        db_table = "workflow_delivery_timeline"
+        ordering = ["community_id", "delivery_id", "id"]
+        constraints = [
+            models.CheckConstraint(
+                condition=Q(kind__in=TransitionKind.values), name="wd_timeline_kind_valid"
+            ),
+            models.CheckConstraint(
+                condition=Q(actor__regex=r"\S"), name="wd_timeline_actor_not_blank"
+            ),
+        ]
+        indexes = [
+            models.Index(fields=["community", "delivery", "id"], name="wd_timeline_delivery_idx"),
+            models.Index(
+                fields=["at"], condition=Q(kind__in=SETTLE_KINDS), name="wd_timeline_settle_idx"
+            ),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.kind} at {self.at}"

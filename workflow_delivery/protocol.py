@@ -33,6 +33,7 @@ __all__ = [
     "NewDelivery",
     "Outcome",
     "ProtocolError",
+    "Reaped",
     "RenewResult",
     "Renewed",
     "ScheduleCause",
@@ -316,6 +317,19 @@ class AlreadyTerminal:
     """The caller's own delivery had already settled; ``status`` is what was recorded."""
 
     status: DeliveryStatus
+
+
+@dataclass(frozen=True, slots=True)
+class Reaped:
+    """What a reaper sweep did: leases returned to pending, and leases of deliveries
+    that had used every attempt, settled failed instead."""
+
+    reclaimed: int = 0
+    exhausted: int = 0
+
+    @property
+    def total(self) -> int:
+        return self.reclaimed + self.exhausted
 
 
 @dataclass(frozen=True, slots=True)

@@ -11,17 +11,20 @@ import logging
 import signal
 import threading
 import time
+from argparse import ArgumentParser
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from datetime import timedelta
 from types import FrameType
+from typing import Any
 
 from django.core.management.base import CommandError
 from django.db import DEFAULT_DB_ALIAS, close_old_connections, connections
 from django.db.models import Count
 
-from . import services
-from .conf import is_number, is_whole_number
+from . import routing, services
+from .conf import app_settings, is_number, is_whole_number, parse_duration
 from .errors import is_connection_lost
 from .exceptions import DeliveryTimeout
 from .models import WorkflowAgentDelivery
@@ -98,6 +101,42 @@ def positive(option: str, value: object, *, whole: bool) -> None:
         raise CommandError(f"{option} must be a positive {noun}, not {value!r}")
 
 
+def add_database_options(parser: ArgumentParser, *, sweeping: bool) -> None:
+    parser.add_argument(
+        "--database", default=DEFAULT_DB_ALIAS, help="the database alias (default: default)"
+    )
+    if sweeping:
+        parser.add_argument(
+            "--all-databases",
+            action="store_true",
+            help="sweep every database alias that holds the app's tables, one after the other",
+        )
+
+
+def databases_option(options: dict[str, Any]) -> list[str]:
+    """The aliases a command works on: ``--database``, or every alias holding the app's
+    tables with ``--all-databases``."""
+    alias = options["database"]
+    if options.get("all_databases"):
+        if alias != DEFAULT_DB_ALIAS:
+            raise CommandError("--database and --all-databases exclude each other")
+        return routing.app_databases()
+    if alias not in connections:
+        raise CommandError(f"--database: no database alias {alias!r} in DATABASES")
+    return [alias]
+
+
+def duration_option(option: str, value: object) -> timedelta:
+    """A retention option (``30d``, ``12h``, ``15m``, ``90s``); None reads
+    ``WORKFLOW_DELIVERY_RETENTION``."""
+    if value is None:
+        value = app_settings.RETENTION
+    try:
+        return parse_duration(value)
+    except ValueError as exc:
+        raise CommandError(f"{option}: {exc}") from None
+
+
 @dataclass(frozen=True, slots=True)
 class Sweep:
     """What one pass of the reaper did (or, dry, would do)."""
@@ -112,6 +151,8 @@ class Sweep:
     # Active tenants skipped because their deletion lock was taken (a transition or
     # purge in progress): the sweep does not wait for them, the next one retries.
     skipped_locked: int = 0
+    exhausted: int = 0
+    pruned: int | None = None
 
     def log_line(self) -> str:
         parts = {
@@ -121,7 +162,10 @@ class Sweep:
             "batches": self.batches,
             "seconds": f"{self.seconds:.3f}",
             "skipped_locked": self.skipped_locked,
+            "would_fail_exhausted" if self.dry_run else "failed_exhausted": self.exhausted,
         }
+        if self.pruned is not None:
+            parts["would_prune" if self.dry_run else "pruned"] = self.pruned
         return " ".join(f"{key}={value}" for key, value in parts.items())
 
 
@@ -131,12 +175,15 @@ class LoopSummary:
     failed: int
     reclaimed: int
     stopped_by: str | None
+    exhausted: int = 0
+    pruned: int = 0
 
     def __str__(self) -> str:
         ending = f"stopped by {self.stopped_by}" if self.stopped_by else "done"
         return (
             f"{ending}: {self.sweeps} sweeps ({self.failed} failed), "
-            f"reclaimed {self.reclaimed} expired leases"
+            f"reclaimed {self.reclaimed} expired leases; failed {self.exhausted} that had "
+            f"used every attempt; pruned {self.pruned} terminal deliveries"
         )
 
 
@@ -150,42 +197,90 @@ class Reaper:
         dry_run: bool = False,
         using: str = DEFAULT_DB_ALIAS,
         max_backoff: float = 5.0,
+        prune_older_than: timedelta | None = None,
+        prune_batch_size: int | None = None,
+        databases: list[str] | None = None,
     ) -> None:
         self.batch_size = batch_size
         self.dry_run = dry_run
         self.using = using
+        # Every alias a sweep visits, one after the other (--all-databases).
+        self.databases = databases or [using]
         self.max_backoff = max_backoff
+        # Retention as part of each sweep (off unless asked for).
+        self.prune_older_than = prune_older_than
+        self.prune_batch_size = prune_batch_size
 
-    def _expired(self):
-        return WorkflowAgentDelivery.objects.using(self.using).expired_leases()
+    def _expired(self, using: str):
+        return WorkflowAgentDelivery.objects.using(using).expired_leases()
 
     def sweep(self, number: int = 1, stop: StopRequest | None = None) -> Sweep:
+        """One pass over every database of the reaper (one by default)."""
+        if len(self.databases) == 1:
+            return self._sweep_one(number, stop, self.databases[0])
+        passes = []
+        for alias in self.databases:
+            if stop:
+                break
+            passes.append(self._sweep_one(number, stop, alias))
+        return Sweep(
+            number=number,
+            reclaimed=sum(p.reclaimed for p in passes),
+            skipped_inactive=sum(p.skipped_inactive for p in passes),
+            batches=sum(p.batches for p in passes),
+            seconds=sum(p.seconds for p in passes),
+            dry_run=self.dry_run,
+            by_community={
+                f"{alias}: {host}": count
+                for alias, p in zip(self.databases, passes, strict=False)
+                for host, count in p.by_community.items()
+            },
+            skipped_locked=sum(p.skipped_locked for p in passes),
+            exhausted=sum(p.exhausted for p in passes),
+            pruned=None if self.prune_older_than is None else sum(p.pruned or 0 for p in passes),
+        )
+
+    def _sweep_one(self, number: int, stop: StopRequest | None, using: str) -> Sweep:
         started = time.monotonic()
+        should_stop = (lambda: bool(stop)) if stop is not None else None
+        pruned = None
         if self.dry_run:
+            expired = self._expired(using).in_active_communities()
+            cap = app_settings.MAX_ATTEMPTS
+            exhausted = 0 if cap is None else expired.filter(attempts__gte=cap).count()
             rows = (
-                self._expired()
-                .in_active_communities()
-                .values_list("community__host")
+                expired.values_list("community__host")
                 .annotate(count=Count("id"))
                 .order_by("community__host")
             )
             by_community = dict(rows)
-            reclaimed, batches = sum(by_community.values()), 0
+            reclaimed, batches = sum(by_community.values()) - exhausted, 0
+            if self.prune_older_than is not None:
+                prunable = services.count_prunable(self.prune_older_than, using=using)
+                pruned = sum(prunable.values())
         else:
             by_community = {}
             batch_counts: list[int] = []
             locked: set = set()
-            reclaimed = services.reap_expired_deliveries(
+            reaped = services.reap_deliveries(
                 batch_size=self.batch_size,
                 on_batch=lambda count, seconds: self._on_batch(batch_counts, count, seconds),
-                should_stop=(lambda: bool(stop)) if stop is not None else None,
+                should_stop=should_stop,
                 on_locked=locked.update,
-                using=self.using,
+                using=using,
             )
+            reclaimed, exhausted = reaped.reclaimed, reaped.exhausted
             for community_id in sorted(locked, key=str):
                 logger.info("skipped community=%s reason=deletion_lock_taken", community_id)
             batches = len(batch_counts)
-        skipped = self._expired().in_fenced_communities().count()
+            if self.prune_older_than is not None and not stop:
+                pruned = services.prune_deliveries(
+                    older_than=self.prune_older_than,
+                    batch_size=self.prune_batch_size,
+                    should_stop=should_stop,
+                    using=using,
+                )
+        skipped = self._expired(using).in_fenced_communities().count()
         return Sweep(
             number=number,
             reclaimed=reclaimed,
@@ -195,6 +290,8 @@ class Reaper:
             dry_run=self.dry_run,
             by_community=by_community,
             skipped_locked=0 if self.dry_run else len(locked),
+            exhausted=exhausted,
+            pruned=pruned,
         )
 
     @staticmethod
@@ -211,7 +308,7 @@ class Reaper:
     ) -> LoopSummary:
         """Sweep every ``interval`` seconds until ``stop`` is set or ``max_sweeps``
         passes (failed ones included, so a bounded run ends even on a dead database)."""
-        number = failed = reclaimed = 0
+        number = failed = reclaimed = exhausted = pruned = 0
         backoff = 0.0
         while not stop and (max_sweeps is None or number < max_sweeps):
             number += 1
@@ -241,17 +338,20 @@ class Reaper:
             else:
                 backoff = 0.0
                 reclaimed += result.reclaimed
+                exhausted += result.exhausted
+                pruned += result.pruned or 0
                 logger.info("%s", result.log_line())
                 pause = interval
             if not stop and (max_sweeps is None or number < max_sweeps):
                 stop.sleep(pause)
-        return LoopSummary(number, failed, reclaimed, stop.signal_name)
+        return LoopSummary(number, failed, reclaimed, stop.signal_name, exhausted, pruned)
 
     def _discard_connection(self) -> None:
         # The next pass reconnects; closing a dead connection may itself fail.
-        try:
-            connections[self.using].close()
-        except Exception as exc:
-            if not is_connection_lost(exc):
-                raise
-            logger.debug("closing the broken connection failed", exc_info=True)
+        for alias in self.databases:
+            try:
+                connections[alias].close()
+            except Exception as exc:
+                if not is_connection_lost(exc):
+                    raise
+                logger.debug("closing the broken connection failed", exc_info=True)

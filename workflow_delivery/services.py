@@ -11,15 +11,21 @@ import logging
 import time
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
-from datetime import datetime
+from datetime import datetime, timedelta
 from functools import partial
 from typing import Any
 from uuid import UUID
 
-from django.db import DEFAULT_DB_ALIAS, DatabaseError, transaction
+from django.db import DEFAULT_DB_ALIAS, DatabaseError, connections, transaction
 
-from . import db, sql
-from .conf import LEASE_SECONDS_BOUND, app_settings, is_whole_number, is_yield_ratio
+from . import counters, db, sql
+from .conf import (
+    LEASE_SECONDS_BOUND,
+    app_settings,
+    is_whole_number,
+    is_yield_ratio,
+    parse_duration,
+)
 from .exceptions import (
     BindingScopeError,
     InvalidLeaseSeconds,
@@ -37,6 +43,7 @@ from .protocol import (
     LeaseLost,
     NewDelivery,
     Outcome,
+    Reaped,
     Renewed,
     Settled,
     as_bytes32,
@@ -53,11 +60,15 @@ __all__ = [
     "StepIdentity",
     "claim_delivery",
     "commit_deliveries",
+    "count_prunable",
     "delivery_identity",
     "fail_deliveries",
     "finish_delivery",
     "get_delivery",
     "holding",
+    "prune_cutoff",
+    "prune_deliveries",
+    "reap_deliveries",
     "reap_expired_deliveries",
     "release_deliveries",
     "release_lease",
@@ -336,6 +347,7 @@ def claim_delivery(
         row = cursor.fetchone()
     if row is None:
         return None
+    counters.CLAIMS.inc()
     record = db.record(row)
     lease = Lease(
         community_id=community_id,
@@ -357,7 +369,10 @@ def renew_delivery(
     with db.cursor(using) as cursor:
         cursor.execute(sql.RENEW, [seconds, *params])
         row = cursor.fetchone()
-    return Renewed(lease_until=row[0]) if row else LeaseLost()
+    if row is None:
+        counters.LEASES_LOST.inc()
+        return LeaseLost()
+    return Renewed(lease_until=row[0])
 
 
 def finish_delivery(
@@ -373,6 +388,7 @@ def finish_delivery(
     with db.cursor(using) as cursor:
         cursor.execute(sql.FINISH, [outcome.value, *params])
         if cursor.fetchone() is not None:
+            counters.SETTLES.labels(outcome.value).inc()
             return Settled(outcome=outcome)
         # Nothing settled: look at the row by the caller's full capability (same
         # generation), in a fresh statement so a concurrent settle is visible.
@@ -380,6 +396,7 @@ def finish_delivery(
         row = cursor.fetchone()
     if row is not None and DeliveryStatus(row[0]).is_terminal:
         return AlreadyTerminal(status=DeliveryStatus(row[0]))
+    counters.LEASES_LOST.inc()
     return LeaseLost()
 
 
@@ -462,7 +479,66 @@ def holding(lease: Lease, *, using: str = DEFAULT_DB_ALIAS) -> Iterator[Held]:
                 raise LeaseLostError(lease, "the lease ran out inside the holding() block")
 
 
-def reap_expired_deliveries(
+def _batch_size(value: object, default: int) -> int:
+    size = default if value is None else value
+    if not (is_whole_number(size) and size >= 1):
+        raise ProtocolError("batch_size", f"must be a positive whole number, not {size!r}")
+    return size
+
+
+def _yield_ratio(value: object) -> float:
+    ratio = app_settings.REAP_YIELD_RATIO if value is None else value
+    if not is_yield_ratio(ratio):
+        raise ProtocolError("yield_ratio", f"must be a number from 0 to 100, not {ratio!r}")
+    return ratio
+
+
+def _max_attempts() -> int | None:
+    cap = app_settings.MAX_ATTEMPTS
+    if cap is not None and not (is_whole_number(cap) and cap >= 1):
+        raise ProtocolError("WORKFLOW_DELIVERY_MAX_ATTEMPTS", f"must be None or >= 1, not {cap!r}")
+    return cap
+
+
+def _operator(value: object) -> str:
+    if not isinstance(value, str) or not value.strip():
+        raise ProtocolError("operator", f"must be a non-blank name, not {value!r}")
+    return value
+
+
+@contextmanager
+def _transaction_as(actor: str, using: str) -> Iterator[Any]:
+    """A transaction (or the caller's) whose statements the timeline trigger records as
+    done by ``actor``. The setting is transaction-local, and cleared at the end of the
+    block in case the transaction is the caller's and goes on."""
+    with transaction.atomic(using=using), db.cursor(using, savepoint=False) as cursor:
+        cursor.execute(sql.SET_ACTOR, [actor])
+        yield cursor
+        cursor.execute(sql.SET_ACTOR, [""])
+
+
+def _batches(
+    run_batch: Callable[[], int],
+    size: int,
+    ratio: float,
+    on_batch: Callable[[int, float], None] | None,
+    should_stop: Callable[[], bool] | None,
+) -> None:
+    """Run bounded batches until one comes back short or ``should_stop()``; after a
+    full batch, rest ``ratio`` times as long as it took."""
+    while True:
+        started = time.monotonic()
+        count = run_batch()
+        elapsed = time.monotonic() - started
+        if on_batch is not None:
+            on_batch(count, elapsed)
+        if count < size or (should_stop is not None and should_stop()):
+            return
+        if ratio:
+            time.sleep(elapsed * ratio)
+
+
+def reap_deliveries(
     *,
     batch_size: int | None = None,
     yield_ratio: float | None = None,
@@ -470,9 +546,10 @@ def reap_expired_deliveries(
     should_stop: Callable[[], bool] | None = None,
     on_locked: Callable[[list[UUID]], None] | None = None,
     using: str = DEFAULT_DB_ALIAS,
-) -> int:
+) -> Reaped:
     """Return every expired lease of every active community to pending, bumping its
-    fence, in bounded batches until none is left; returns how many were reclaimed.
+    fence, in bounded batches until none is left. A delivery that has used
+    ``WORKFLOW_DELIVERY_MAX_ATTEMPTS`` claims is settled ``failed`` instead.
 
     After a full batch the sweep rests ``yield_ratio`` times as long as that batch
     took (default ``WORKFLOW_DELIVERY_REAP_YIELD_RATIO``), so a large backlog leaves
@@ -483,30 +560,108 @@ def reap_expired_deliveries(
     The sweep never waits on a tenant: a community whose deletion lock is held or
     queued for (a transition or purge in progress) is skipped for this batch, and
     ``on_locked(ids)`` is told which were skipped (only when some were)."""
-    size = app_settings.REAP_BATCH_SIZE if batch_size is None else batch_size
-    if not (is_whole_number(size) and size >= 1):
-        raise ProtocolError("batch_size", f"must be a positive whole number, not {size!r}")
-    ratio = app_settings.REAP_YIELD_RATIO if yield_ratio is None else yield_ratio
-    if not is_yield_ratio(ratio):
-        raise ProtocolError("yield_ratio", f"must be a number from 0 to 100, not {ratio!r}")
-    total = 0
-    while True:
-        started = time.monotonic()
+    size = _batch_size(batch_size, app_settings.REAP_BATCH_SIZE)
+    ratio = _yield_ratio(yield_ratio)
+    cap = _max_attempts()
+    reclaimed = exhausted = 0
+
+    def batch() -> int:
+        nonlocal reclaimed, exhausted
         # Each batch is its own short transaction (unless the caller holds one), so a
-        # sweep never holds more than ``size`` row locks at once.
-        with db.cursor(using) as cursor:
-            cursor.execute(sql.REAP_BATCH, [size, size, size])
-            count, locked = cursor.fetchone()
+        # sweep never holds more than ``size`` row locks at once. The statement names
+        # the reaper as its actor; inside a caller's transaction that setting would
+        # outlive the batch, so there the block also clears it.
+        in_caller = connections[using].in_atomic_block
+        with _transaction_as("reaper", using) if in_caller else db.cursor(using) as cursor:
+            cursor.execute(sql.REAP_BATCH, [size, size, size, cap, cap])
+            count, failed, locked = cursor.fetchone()
         if locked and on_locked is not None:
             on_locked(list(locked))
-        elapsed = time.monotonic() - started
+        reclaimed += count - failed
+        exhausted += failed
+        return count
+
+    _batches(batch, size, ratio, on_batch, should_stop)
+    counters.REAPED.labels("reclaimed").inc(reclaimed)
+    counters.REAPED.labels("attempts_exhausted").inc(exhausted)
+    return Reaped(reclaimed=reclaimed, exhausted=exhausted)
+
+
+def reap_expired_deliveries(
+    *,
+    batch_size: int | None = None,
+    yield_ratio: float | None = None,
+    on_batch: Callable[[int, float], None] | None = None,
+    should_stop: Callable[[], bool] | None = None,
+    on_locked: Callable[[list[UUID]], None] | None = None,
+    using: str = DEFAULT_DB_ALIAS,
+) -> int:
+    """``reap_deliveries`` reporting only how many expired leases it took (returned
+    to pending or settled failed by the attempt cap)."""
+    return reap_deliveries(
+        batch_size=batch_size,
+        yield_ratio=yield_ratio,
+        on_batch=on_batch,
+        should_stop=should_stop,
+        on_locked=on_locked,
+        using=using,
+    ).total
+
+
+def prune_deliveries(
+    *,
+    older_than: timedelta | str | None = None,
+    batch_size: int | None = None,
+    yield_ratio: float | None = None,
+    on_batch: Callable[[int, float], None] | None = None,
+    should_stop: Callable[[], bool] | None = None,
+    using: str = DEFAULT_DB_ALIAS,
+) -> int:
+    """Delete terminal deliveries (their timeline with them) settled more than
+    ``older_than`` ago (default ``WORKFLOW_DELIVERY_RETENTION``) in every active
+    community, in bounded batches; returns how many. A community that is not active,
+    or whose deletion lock is taken, is skipped inside the statement. Pending and
+    claimed rows are never touched, whatever their age."""
+    cutoff = prune_cutoff(older_than, using=using)
+    size = _batch_size(batch_size, app_settings.PRUNE_BATCH_SIZE)
+    ratio = _yield_ratio(yield_ratio)
+    total = 0
+
+    def batch() -> int:
+        nonlocal total
+        # One short transaction per batch: the try-locks on the communities and the
+        # row locks end with it.
+        with db.cursor(using) as cursor:
+            cursor.execute(sql.PRUNE_BATCH, [cutoff, size])
+            count = len(cursor.fetchall())
         total += count
-        if on_batch is not None:
-            on_batch(count, elapsed)
-        if count < size or (should_stop is not None and should_stop()):
-            return total
-        if ratio:
-            time.sleep(elapsed * ratio)
+        return count
+
+    _batches(batch, size, ratio, on_batch, should_stop)
+    counters.PRUNED.inc(total)
+    return total
+
+
+def prune_cutoff(older_than: timedelta | str | None = None, *, using: str = DEFAULT_DB_ALIAS):
+    """The instant before which terminal rows are pruned, by the database clock."""
+    retention = app_settings.RETENTION if older_than is None else older_than
+    try:
+        age = parse_duration(retention)
+    except ValueError as exc:
+        raise ProtocolError("older_than", str(exc)) from None
+    with db.cursor(using) as cursor:
+        cursor.execute(sql.PRUNE_CUTOFF, [age])
+        return cursor.fetchone()[0]
+
+
+def count_prunable(
+    older_than: timedelta | str | None = None, *, using: str = DEFAULT_DB_ALIAS
+) -> dict[str, int]:
+    """What ``prune_deliveries`` would delete now, by community host (active ones)."""
+    cutoff = prune_cutoff(older_than, using=using)
+    with db.cursor(using) as cursor:
+        cursor.execute(sql.PRUNE_COUNT, [cutoff])
+        return {host: count for _, host, count in cursor.fetchall()}
 
 
 def get_delivery(
@@ -525,23 +680,34 @@ def get_delivery(
 
 
 def _operator_update(
-    statement: str, community_id: UUID | str, delivery_ids: Iterable[UUID | str], using: str
+    statement: str,
+    community_id: UUID | str,
+    delivery_ids: Iterable[UUID | str],
+    operator: str | None,
+    using: str,
 ) -> list[UUID]:
     community_id = as_uuid("community_id", community_id)
     ids = [as_uuid("delivery_id", value) for value in delivery_ids]
+    actor = "operator" if operator is None else f"operator:{_operator(operator)}"
     if not ids:
         return []
-    with db.cursor(using) as cursor:
+    # One transaction holds the actor setting and the update it names.
+    with _transaction_as(actor, using) as cursor:
         cursor.execute(statement, [community_id, community_id, community_id, ids])
         return [row[0] for row in cursor.fetchall()]
 
 
 def release_deliveries(
-    community_id: UUID | str, delivery_ids: Iterable[UUID | str], *, using: str = DEFAULT_DB_ALIAS
+    community_id: UUID | str,
+    delivery_ids: Iterable[UUID | str],
+    *,
+    operator: str | None = None,
+    using: str = DEFAULT_DB_ALIAS,
 ) -> list[UUID]:
     """Operator release: claimed rows of an active community go back to pending with
-    the fence bumped, so their live holders are fenced out. Returns the ids released."""
-    return _operator_update(sql.RELEASE, community_id, delivery_ids, using)
+    the fence bumped, so their live holders are fenced out. Returns the ids released.
+    The timeline records the actor as ``operator:<operator>``."""
+    return _operator_update(sql.RELEASE, community_id, delivery_ids, operator, using)
 
 
 def release_lease(lease: Lease, *, using: str = DEFAULT_DB_ALIAS) -> bool:
@@ -554,8 +720,12 @@ def release_lease(lease: Lease, *, using: str = DEFAULT_DB_ALIAS) -> bool:
 
 
 def fail_deliveries(
-    community_id: UUID | str, delivery_ids: Iterable[UUID | str], *, using: str = DEFAULT_DB_ALIAS
+    community_id: UUID | str,
+    delivery_ids: Iterable[UUID | str],
+    *,
+    operator: str | None = None,
+    using: str = DEFAULT_DB_ALIAS,
 ) -> list[UUID]:
     """Operator terminal: pending or claimed rows of an active community become
-    ``failed``. Returns the ids marked."""
-    return _operator_update(sql.MARK_FAILED, community_id, delivery_ids, using)
+    ``failed``. Returns the ids marked. The timeline records ``operator:<operator>``."""
+    return _operator_update(sql.MARK_FAILED, community_id, delivery_ids, operator, using)

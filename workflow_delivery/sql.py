@@ -18,6 +18,7 @@ from django.db import Error as DatabaseError
 from django.db import connection
 
 from . import errors
+from .counters import FENCE_REFUSALS
 from .exceptions import (
     CommunityWriteFenced,
     ConstraintViolation,
@@ -28,7 +29,14 @@ from .exceptions import (
     ReferenceMissing,
     StepMessageConflict,
 )
-from .models import Community, Event, Workflow, WorkflowAgentDelivery, WorkflowRun
+from .models import (
+    Community,
+    DeliveryTransition,
+    Event,
+    Workflow,
+    WorkflowAgentDelivery,
+    WorkflowRun,
+)
 from .wakeups import WAKE_CHANNEL
 
 _q = connection.ops.quote_name
@@ -217,6 +225,15 @@ SELECT status FROM {DELIVERIES}
  WHERE community_id = %s AND id = %s AND target_pubkey = %s AND lease_generation = %s
 """
 
+# The reaper's write: back to pending, or, once a delivery has used every attempt
+# (the second and third parameters: the cap, NULL for none), settled failed.
+_EXHAUSTED = "d.attempts >= %s::integer"
+_REAP_SET = f"""
+status = CASE WHEN {_EXHAUSTED} THEN 'failed' ELSE 'pending' END,
+lease_generation = d.lease_generation + 1, lease_until = NULL, claimed_at = NULL,
+finished_at = CASE WHEN {_EXHAUSTED} THEN statement_timestamp() END
+"""
+
 # One bounded batch of the fleet-wide reaper; it never waits on a tenant.
 # 1. ``candidates``: active communities with an expired lease, oldest expiry first,
 #    at most one batch of them (a probe of the reap index each, no row read).
@@ -229,11 +246,17 @@ SELECT status FROM {DELIVERIES}
 # 4. ``expired``: the oldest expired rows of those communities only, by the reap
 #    index; rows a live holder has locked are skipped, not waited for.
 # Rows parked in a tenant that is not active are never read, so a batch costs what
-# it reclaims. The answer: rows reclaimed, and the ids of the tenants skipped locked.
+# The statement names its actor for the timeline trigger (``actor``, evaluated
+# before any row is written; transaction-local, so in autocommit it ends with the
+# statement). The answer: rows returned (reclaimed or, with the cap, failed), how
+# many of them the attempts cap failed, and the ids of the tenants skipped locked.
 REAP_BATCH = f"""
-WITH candidates AS MATERIALIZED (
+WITH actor AS MATERIALIZED (
+    SELECT set_config('workflow_delivery.actor', 'reaper', true) AS name
+),
+candidates AS MATERIALIZED (
     SELECT c.id, e.oldest
-      FROM {COMMUNITIES} AS c
+      FROM actor, {COMMUNITIES} AS c
      CROSS JOIN LATERAL (
            SELECT r.lease_until AS oldest FROM {DELIVERIES} AS r
             WHERE r.community_id = c.id AND r.status = 'claimed'
@@ -268,12 +291,13 @@ expired AS (
 ),
 reaped AS (
     UPDATE {DELIVERIES} AS d
-       SET {_BACK_TO_PENDING}
+       SET {_REAP_SET}
       FROM expired
      WHERE d.id = expired.id
-    RETURNING d.id
+    RETURNING d.status = 'failed' AS exhausted
 )
 SELECT (SELECT count(*) FROM reaped),
+       (SELECT count(*) FROM reaped WHERE exhausted),
        ARRAY(SELECT id FROM tried WHERE NOT locked ORDER BY id)
 """
 
@@ -314,6 +338,70 @@ MARK_FAILED = f"""{_OPERABLE}
 RETURNING d.id
 """
 
+# Who writes in this transaction, for the timeline trigger (migration 0007).
+SET_ACTOR = "SELECT set_config('workflow_delivery.actor', %s, true)"
+
+# Whether this session's writes are recorded in the timeline (a session setting).
+SET_TIMELINE = "SELECT set_config('workflow_delivery.timeline', %s, false)"
+
+# One bounded batch of retention: terminal rows settled at or before the cut-off, of
+# communities that are active and whose deletion lock is free (tried, never waited
+# for; the CTE is evaluated once per statement). Their timeline goes by cascade.
+PRUNE_BATCH = f"""
+WITH allowed AS MATERIALIZED (
+    SELECT id FROM {COMMUNITIES}
+     WHERE deletion_state = 'active' AND wd_community_prune_allowed(id)
+),
+doomed AS (
+    SELECT d.community_id, d.id FROM {DELIVERIES} AS d JOIN allowed AS a ON a.id = d.community_id
+     WHERE d.status IN ('finished', 'failed') AND d.finished_at <= %s
+     LIMIT %s
+     FOR UPDATE OF d SKIP LOCKED
+)
+DELETE FROM {DELIVERIES} AS d
+ USING doomed
+ WHERE d.community_id = doomed.community_id AND d.id = doomed.id
+RETURNING d.community_id
+"""
+
+# By the statement clock, as settles are stamped (finish_delivery, the reaper).
+PRUNE_CUTOFF = "SELECT statement_timestamp() - %s::interval"
+
+# What a prune would delete, per community (a dry run, and the progress bar's total).
+PRUNE_COUNT = f"""
+SELECT c.id, c.host, count(*)
+  FROM {COMMUNITIES} AS c JOIN {DELIVERIES} AS d ON d.community_id = c.id
+ WHERE c.deletion_state = 'active' AND d.status IN ('finished', 'failed') AND d.finished_at <= %s
+ GROUP BY c.id, c.host ORDER BY c.host
+"""
+
+# Metrics: each served by a partial index (the heap of terminal rows is never read).
+METRICS_COMMUNITIES = f"SELECT id, host, deletion_state FROM {COMMUNITIES}"
+METRICS_PENDING = f"""
+SELECT community_id, count(*), extract(epoch FROM now() - min(created_at))
+  FROM {DELIVERIES} WHERE status = 'pending' GROUP BY community_id
+"""
+METRICS_CLAIMED = f"""
+SELECT community_id, count(*), count(*) FILTER (WHERE lease_until < now())
+  FROM {DELIVERIES} WHERE status = 'claimed' GROUP BY community_id
+"""
+METRICS_TERMINAL = f"""
+SELECT community_id, status, count(*)
+  FROM {DELIVERIES} WHERE status IN ('finished', 'failed') GROUP BY community_id, status
+"""
+
+# Settles of the last hour per minute, oldest first, from the timeline's settle index.
+TIMELINE = _q(DeliveryTransition._meta.db_table)
+SETTLES_PER_MINUTE = f"""
+SELECT minutes.m, count(t.id)
+  FROM generate_series(0, 59) AS minutes (m)
+  LEFT JOIN {TIMELINE} AS t
+    ON t.kind IN ('finished', 'failed', 'operator_failed', 'attempts_exhausted')
+   AND t.at > now() - interval '60 minutes'
+   AND 59 - greatest(0, floor(extract(epoch FROM now() - t.at) / 60)::int) = minutes.m
+ GROUP BY minutes.m ORDER BY minutes.m
+"""
+
 # The fence's own rule, from migration 0003: READ COMMITTED or a clear error.
 REQUIRE_READ_COMMITTED = "SELECT wd_require_read_committed()"
 
@@ -344,6 +432,7 @@ SELECT set_config('workflow_delivery.executor_community', '', true),
 
 # Children first, so no foreign key refuses the purge.
 PURGE_ORDER = [
+    DeliveryTransition._meta.db_table,
     WorkflowAgentDelivery._meta.db_table,
     WorkflowRun._meta.db_table,
     Workflow._meta.db_table,
@@ -383,6 +472,7 @@ def database_errors() -> Iterator[None]:
         if errors.is_timeout(exc):
             raise DeliveryTimeout(f"{message} (SQLSTATE {sqlstate})", sqlstate) from exc
         if constraint == "wd_community_write_fence":
+            FENCE_REFUSALS.inc()
             found = _FENCED_COMMUNITY.search(getattr(diag, "message_detail", None) or "")
             raise CommunityWriteFenced(message, UUID(found.group(1)) if found else None) from exc
         if constraint == "wd_delivery_one_message_per_step":

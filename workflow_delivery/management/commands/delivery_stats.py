@@ -8,26 +8,32 @@ from typing import Any
 
 from django.contrib.postgres.functions import TransactionNow
 from django.core.management.base import BaseCommand
+from django.db import DEFAULT_DB_ALIAS
 from django.db.models import Count, Min, Q
 
 from workflow_delivery.models import Community, WorkflowAgentDelivery
 from workflow_delivery.protocol import DeliveryStatus
+from workflow_delivery.runner import add_database_options, databases_option
 
 STATUSES = [status.value for status in DeliveryStatus]
 
 
-def collect() -> dict[str, Any]:
+def collect(using: str = DEFAULT_DB_ALIAS) -> dict[str, Any]:
     """One grouped query; ages are measured by the database clock."""
-    expired = WorkflowAgentDelivery.objects.expired_leases().values("id")
+    expired = WorkflowAgentDelivery.objects.using(using).expired_leases().values("id")
     counts = {
         status: Count("deliveries", filter=Q(deliveries__status=status)) for status in STATUSES
     }
-    rows = Community.objects.annotate(
-        **counts,
-        oldest_pending=Min("deliveries__created_at", filter=Q(deliveries__status="pending")),
-        expired_leases=Count("deliveries", filter=Q(deliveries__in=expired)),
-        now=TransactionNow(),
-    ).order_by("host")
+    rows = (
+        Community.objects.using(using)
+        .annotate(
+            **counts,
+            oldest_pending=Min("deliveries__created_at", filter=Q(deliveries__status="pending")),
+            expired_leases=Count("deliveries", filter=Q(deliveries__in=expired)),
+            now=TransactionNow(),
+        )
+        .order_by("host")
+    )
     communities = []
     for row in rows:
         oldest = row.oldest_pending
@@ -66,9 +72,11 @@ class Command(BaseCommand):
 
     def add_arguments(self, parser: ArgumentParser) -> None:
         parser.add_argument("--json", action="store_true", help="print one JSON document")
+        add_database_options(parser, sweeping=False)
 
     def handle(self, *args: Any, **options: Any) -> None:
-        stats = collect()
+        (alias,) = databases_option(options)
+        stats = collect(alias)
         if options["json"]:
             self.stdout.write(json.dumps(stats, indent=2))
             return

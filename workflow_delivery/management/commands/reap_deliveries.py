@@ -8,7 +8,16 @@ from typing import Any
 from django.core.management.base import BaseCommand, CommandError
 
 from workflow_delivery.conf import app_settings
-from workflow_delivery.runner import Reaper, Sweep, log_level, positive, stop_on_signals
+from workflow_delivery.runner import (
+    Reaper,
+    Sweep,
+    add_database_options,
+    databases_option,
+    duration_option,
+    log_level,
+    positive,
+    stop_on_signals,
+)
 
 
 class Command(BaseCommand):
@@ -40,6 +49,16 @@ class Command(BaseCommand):
             action="store_true",
             help="count what would be reclaimed, per community, without writing",
         )
+        add_database_options(parser, sweeping=True)
+        parser.add_argument(
+            "--prune",
+            action="store_true",
+            help="also delete terminal deliveries older than --older-than after each sweep",
+        )
+        parser.add_argument(
+            "--older-than",
+            help="retention for --prune: 30d, 12h, 15m, 90s (default: WORKFLOW_DELIVERY_RETENTION)",
+        )
 
     def handle(self, *args: Any, **options: Any) -> None:
         loop = options["loop"]
@@ -56,7 +75,17 @@ class Command(BaseCommand):
         positive("--batch-size", batch_size, whole=True)
         if options["max_sweeps"] is not None:
             positive("--max-sweeps", options["max_sweeps"], whole=True)
-        reaper = Reaper(batch_size=batch_size, dry_run=options["dry_run"])
+        if options["older_than"] is not None and not options["prune"]:
+            raise CommandError("--older-than applies only with --prune")
+        retention = None
+        if options["prune"]:
+            retention = duration_option("--older-than", options["older_than"])
+        reaper = Reaper(
+            batch_size=batch_size,
+            dry_run=options["dry_run"],
+            prune_older_than=retention,
+            databases=databases_option(options),
+        )
         with log_level(options["verbosity"]):
             if loop:
                 self._loop(reaper, interval, options["max_sweeps"])
@@ -67,6 +96,14 @@ class Command(BaseCommand):
         verb = "would reclaim" if sweep.dry_run else "reclaimed"
         for host, count in sweep.by_community.items():
             self.stdout.write(f"{host}: {verb} {count}")
+        if sweep.pruned is not None:
+            pruned = "would prune" if sweep.dry_run else "pruned"
+            self.stdout.write(f"{pruned} {sweep.pruned} terminal deliveries")
+        failed = "would settle failed" if sweep.dry_run else "settled failed"
+        self.stdout.write(
+            f"{failed} {sweep.exhausted} expired leases of deliveries that had used every "
+            f"attempt (WORKFLOW_DELIVERY_MAX_ATTEMPTS={app_settings.MAX_ATTEMPTS})"
+        )
         self.stdout.write(
             f"{verb} {sweep.reclaimed} expired leases; skipped {sweep.skipped_inactive} "
             f"in communities that are not active; skipped {sweep.skipped_locked} "
