@@ -10,6 +10,7 @@ import time
 from dataclasses import dataclass
 from uuid import UUID
 
+from django.db import DEFAULT_DB_ALIAS, connections
 from django.db.models.functions import Lower
 from django.http import HttpRequest
 from django.http.request import split_domain_port
@@ -125,3 +126,29 @@ class NostrAuth(APIKeyHeader):
 
     def authenticate(self, request: HttpRequest, key: str | None) -> Caller:
         return authenticate(request)
+
+
+# Waits are many and long, their database work short: this bounds how many waits of
+# one process use a connection at once, so a crowd of waiters can never take all of
+# the server's connections (claims, renews and finishes are not gated).
+wait_gate = threading.BoundedSemaphore(4)
+
+
+def release_connection() -> None:
+    """Close this thread's connection unless a transaction holds it: a waiting request
+    needs none while it waits (CONN_MAX_AGE would otherwise keep it until the end)."""
+    connection = connections[DEFAULT_DB_ALIAS]
+    if not connection.in_atomic_block:
+        connection.close()
+
+
+class NostrWaitAuth(NostrAuth):
+    """NIP-98 for ``wait``: the same checks, through the wait gate, and the
+    connection released before the request starts waiting."""
+
+    def authenticate(self, request: HttpRequest, key: str | None) -> Caller:
+        with wait_gate:
+            try:
+                return authenticate(request)
+            finally:
+                release_connection()

@@ -8,11 +8,9 @@ stable code. The OpenAPI 3 document is derived from these views by django-ninja.
 from __future__ import annotations
 
 import asyncio
-import threading
 from datetime import UTC, datetime
 
 from asgiref.sync import sync_to_async
-from django.db import DEFAULT_DB_ALIAS, connections
 from django.http import Http404, HttpRequest, HttpResponse
 from ninja import NinjaAPI, Query, Status
 from ninja.errors import AuthenticationError, HttpError, ValidationError
@@ -23,7 +21,7 @@ from ..exceptions import AgentAuthRefused, CommunityWriteFenced, ProtocolError
 from ..models import WorkflowAgentDelivery
 from ..protocol import AlreadyTerminal, Lease, LeaseLost, Renewed, as_uuid
 from . import documents, schema
-from .auth import ApiError, Caller, NostrAuth
+from .auth import ApiError, Caller, NostrAuth, NostrWaitAuth, release_connection, wait_gate
 from .wake import hub
 
 api = NinjaAPI(
@@ -193,31 +191,22 @@ def get(request: HttpRequest, delivery_id: schema.Uuid):
     return Status(200, documents.delivery_document(record))
 
 
-# The database work of a wait (its check for a pending delivery) is short but each
-# runs on a connection; this bounds how many waits of one process hold one at once,
-# so a crowd of waiters can never exhaust the server's connections.
-_WAIT_DATABASE_GATE = threading.BoundedSemaphore(4)
-
-
 def _prepare_wait(caller: Caller) -> object | None:
     """After the waiter is registered and the listener LISTENs: the oldest pending
     delivery already there (committed before we listened), or None. The request's
     connection is then released so the wait itself holds none."""
     hub.ensure_listening()
-    with _WAIT_DATABASE_GATE:
-        pending = (
-            WorkflowAgentDelivery.objects.pending()
-            .for_target(caller.community_id, caller.pubkey)
-            .order_by("created_at", "id")
-            .values_list("id", flat=True)
-            .first()
-        )
-    connection = connections[DEFAULT_DB_ALIAS]
-    if not connection.in_atomic_block:
-        # Nothing else of this request needs the database: hand the connection
-        # back now instead of holding it for the whole wait.
-        connection.close()
-    return pending
+    with wait_gate:
+        try:
+            return (
+                WorkflowAgentDelivery.objects.pending()
+                .for_target(caller.community_id, caller.pubkey)
+                .order_by("created_at", "id")
+                .values_list("id", flat=True)
+                .first()
+            )
+        finally:
+            release_connection()
 
 
 def _wake(caller: Caller, delivery_id: object):
@@ -228,6 +217,7 @@ def _wake(caller: Caller, delivery_id: object):
     "v1/wait",
     response={200: schema.WakeOut, 204: None, **ERRORS, 503: schema.ErrorOut},
     summary="Wait until one of the caller's deliveries is committed",
+    auth=NostrWaitAuth(),
 )
 async def wait(
     request: HttpRequest,
