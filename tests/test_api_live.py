@@ -1,9 +1,9 @@
 """The agent API against a real server: uvicorn (ASGI) serving the demo project over
 the test database, driven by ``AgentClient`` from this process.
 
-Wake-ups: until the producer's NOTIFY on commit (issue 11) is in this branch, the
-tests send the notification themselves, with ``pg_notify`` in the channel and payload
-format of that contract, in the committing transaction.
+Wake-ups come from the producer's own commit (its NOTIFY); one test also sends a
+notification by hand, for a delivery that is not pending, to prove the hint can only
+have come through the channel.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import time
 import uuid
 
 import pytest
-from django.db import connection, transaction
+from django.db import connection
 
 from tests import factories
 from tests.agent_http import pubkey, secret, uvicorn_server
@@ -28,10 +28,9 @@ from workflow_delivery.protocol import (
     Settled,
 )
 from workflow_delivery.services import commit_deliveries
+from workflow_delivery.wakeups import WAKE_CHANNEL, format_wake
 
 pytestmark = pytest.mark.django_db(transaction=True)
-
-WAKE_CHANNEL = "workflow_delivery_wake"
 
 
 @pytest.fixture(scope="module")
@@ -46,19 +45,15 @@ def base_url(server: str, host: str) -> str:
 
 def notify(community_id, target: bytes, delivery_id) -> None:
     with connection.cursor() as cursor:
-        payload = f"{community_id}:{target.hex()}:{delivery_id}"
+        payload = format_wake(community_id, target, delivery_id)
         cursor.execute("SELECT pg_notify(%s, %s)", [WAKE_CHANNEL, payload])
 
 
 def commit_and_wake(step: factories.Step) -> list:
-    """Commit one delivery per target of ``step`` and, in the same transaction, the
-    wake-up of each (PostgreSQL delivers them on commit)."""
+    """Commit one delivery per target of ``step``; the commit itself notifies."""
     deliveries = step.new_deliveries()
-    with transaction.atomic():
-        created = commit_deliveries(step.community.id, step.created_at, deliveries)
-        for item in deliveries:
-            notify(step.community.id, item.binding.target_pubkey, item.id)
-    assert len(created) == len(deliveries)
+    created = commit_deliveries(step.community.id, step.created_at, deliveries)
+    assert created == [item.id for item in deliveries]
     return deliveries
 
 

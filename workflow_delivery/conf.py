@@ -20,6 +20,8 @@ DEFAULTS: dict[str, Any] = {
     "API_MAX_WAIT_SECONDS": 60,
     "API_MAX_WAITERS": 1000,
     "API_REPLAY_PRUNE_INTERVAL_SECONDS": 60.0,
+    # Producer commits send a wake-up per created delivery (see wakeups.py).
+    "NOTIFY": True,
 }
 
 

@@ -86,6 +86,12 @@ def _new_deliveries(deliveries: object) -> list[NewDelivery]:
     return batch
 
 
+def _producer_statement(insert: str) -> str:
+    """The insert itself, or (``WORKFLOW_DELIVERY_NOTIFY``) the insert that also sends
+    a wake-up per created row; either returns the created ids in its first column."""
+    return sql.notifying(insert) if app_settings.NOTIFY else insert
+
+
 class StepIdentity:
     """The producer's hold on one (community, run, step) inside its transaction."""
 
@@ -167,7 +173,7 @@ class StepIdentity:
         An existing (community, run, step, target) is skipped, so a retry creates nothing."""
         count, params = self._values(message_event_created_at, _new_deliveries(deliveries))
         with db.cursor(self._using, savepoint=False) as cursor:
-            cursor.execute(sql.insert_deliveries(count), params)
+            cursor.execute(_producer_statement(sql.insert_deliveries(count)), params)
             created = [row[0] for row in cursor.fetchall()]
         if created:
             self.exists = True
@@ -215,7 +221,8 @@ def commit_deliveries(
     # One statement takes the step's identity lock and inserts every row: in
     # autocommit it is its own transaction (all rows or none), else the caller's.
     with db.cursor(using) as cursor:
-        cursor.execute(sql.lock_and_insert_deliveries(count), [*lock, *params])
+        statement = _producer_statement(sql.lock_and_insert_deliveries(count))
+        cursor.execute(statement, [*lock, *params])
         return [row[0] for row in cursor.fetchall()]
 
 

@@ -31,6 +31,7 @@ from .models import (
     WorkflowAgentDelivery,
     WorkflowRun,
 )
+from .wakeups import WAKE_CHANNEL
 
 _q = connection.ops.quote_name
 
@@ -86,7 +87,11 @@ SELECT EXISTS (
 """
 
 
-_ON_CONFLICT = "ON CONFLICT ON CONSTRAINT wd_delivery_identity_key DO NOTHING RETURNING id"
+# Returns what a wake-up names besides the id, so ``notifying`` can wrap either insert.
+_ON_CONFLICT = (
+    "ON CONFLICT ON CONSTRAINT wd_delivery_identity_key DO NOTHING "
+    "RETURNING id, community_id, target_pubkey"
+)
 
 
 @lru_cache(maxsize=64)
@@ -107,6 +112,21 @@ WITH step_lock AS MATERIALIZED ({LOCK_STEP_IDENTITY.strip()}::text AS locked)
 INSERT INTO {DELIVERIES} ({_INSERT_COLUMNS})
 SELECT v.* FROM (VALUES {rows}) AS v ({_INSERT_COLUMNS}) CROSS JOIN step_lock
 {_ON_CONFLICT}
+"""
+
+
+@lru_cache(maxsize=128)
+def notifying(insert: str) -> str:
+    """Wrap a delivery insert (``… RETURNING id, community_id, target_pubkey``) so the
+    same statement sends one wake-up per row it created, on ``WAKE_CHANNEL``, and still
+    returns the created ids first. A NOTIFY is queued with the transaction: PostgreSQL
+    delivers it on commit and drops it on rollback; a skipped duplicate returns no row,
+    so it sends nothing."""
+    payload = "created.community_id::text || ':' || encode(created.target_pubkey, 'hex') || ':' "
+    payload += "|| created.id::text"
+    return f"""
+WITH created AS ({insert.strip()})
+SELECT created.id, pg_notify('{WAKE_CHANNEL}', {payload}) FROM created
 """
 
 

@@ -2,43 +2,27 @@
 every waiting request of that process.
 
 A waiter costs a future, not a connection: the listener thread holds the only
-connection that LISTENs, and resolves the futures of the (community, target) a
-notification names, on each waiter's own event loop. Payloads follow the contract
-of ``workflow_delivery_wake`` (``<community>:<target hex>:<delivery>``); a wake is an
-accelerator only, the agent still claims through the ordinary path.
+connection that LISTENs (``wakeups.WakeListener``), and resolves the futures of the
+(community, target) a notification names, on each waiter's own event loop. After a
+lost and reopened session every waiter is answered empty, so its agent polls for
+anything sent meanwhile. A wake is an accelerator only: the agent still claims
+through the ordinary path.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import logging
-import re
 import threading
 from uuid import UUID
 
-from django.db import DEFAULT_DB_ALIAS, connections
+from django.db import DEFAULT_DB_ALIAS
 
-logger = logging.getLogger(__name__)
+from ..wakeups import WakeHint, WakeListener
 
-WAKE_CHANNEL = "workflow_delivery_wake"
-_PAYLOAD = re.compile(
-    r"([0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}):([0-9a-f]{64}):"
-    r"([0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12})"
-)
-_RETRY_SECONDS = 1.0
 _POLL_SECONDS = 0.5
 
 Key = tuple[UUID, bytes]
-
-
-def parse_payload(payload: str) -> tuple[UUID, bytes, UUID] | None:
-    """(community, target, delivery) of a wake payload; None when malformed."""
-    match = _PAYLOAD.fullmatch(payload) if isinstance(payload, str) else None
-    if match is None:
-        return None
-    community, target, delivery = match.groups()
-    return UUID(community), bytes.fromhex(target), UUID(delivery)
 
 
 class _Waiter:
@@ -111,18 +95,13 @@ class WakeHub:
         self._thread = None
         self._listening.clear()
 
-    def dispatch(self, payload: str) -> int:
-        """Wake every waiter the payload names; returns how many."""
-        parsed = parse_payload(payload)
-        if parsed is None:
-            logger.warning("wake: ignoring a malformed payload on %s", WAKE_CHANNEL)
-            return 0
-        community_id, target, delivery_id = parsed
+    def dispatch(self, hint: WakeHint) -> int:
+        """Wake every waiter of the hint's community and target; returns how many."""
         with self._lock:
-            waiters = self._waiters.pop((community_id, target), set())
+            waiters = self._waiters.pop((hint.community_id, hint.target_pubkey), set())
             self._count -= len(waiters)
         for waiter in waiters:
-            waiter.resolve(delivery_id)
+            waiter.resolve(hint.delivery_id)
         return len(waiters)
 
     def _wake_everyone(self) -> None:
@@ -135,42 +114,24 @@ class WakeHub:
         for waiter in everyone:
             waiter.resolve(None)
 
-    def _connect(self):
-        wrapper = connections[self.using]
-        # A connection of its own, outside Django's per-thread handling: it lives
-        # as long as the listener, in autocommit so LISTEN takes effect at once.
-        raw = wrapper.get_new_connection(wrapper.get_connection_params())
-        raw.autocommit = True
-        raw.execute(f"LISTEN {WAKE_CHANNEL}")
-        return raw
-
     def _run(self) -> None:
-        reconnecting = False
-        while not self._stop.is_set():
-            try:
-                raw = self._connect()
-            except Exception:
-                logger.exception("wake: cannot LISTEN on %s; retrying", WAKE_CHANNEL)
-                self._stop.wait(_RETRY_SECONDS)
-                continue
-            try:
-                if reconnecting:
+        listener = WakeListener(self.using)
+        reconnects = 0
+        try:
+            while not self._stop.is_set():
+                hints = listener.wait(_POLL_SECONDS)
+                if listener.connected:
+                    self._listening.set()
+                else:
+                    self._listening.clear()
+                if listener.reconnects != reconnects:
+                    reconnects = listener.reconnects
                     self._wake_everyone()
-                self._listening.set()
-                while not self._stop.is_set():
-                    for notify in raw.notifies(timeout=_POLL_SECONDS):
-                        self.dispatch(notify.payload)
-            except Exception:
-                logger.exception("wake: lost the LISTEN connection; reconnecting")
-                reconnecting = True
-            finally:
-                self._listening.clear()
-                try:
-                    raw.close()
-                except Exception:
-                    logger.debug("wake: closing the listener connection failed", exc_info=True)
-            if not self._stop.is_set():
-                self._stop.wait(_RETRY_SECONDS)
+                for hint in hints:
+                    self.dispatch(hint)
+        finally:
+            self._listening.clear()
+            listener.close()
 
 
 hub = WakeHub()

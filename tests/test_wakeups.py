@@ -1,0 +1,139 @@
+"""Wake-ups on real PostgreSQL: what a LISTEN session receives from producer commits."""
+
+from __future__ import annotations
+
+import uuid
+
+import pytest
+from django.db import connection
+
+from tests import factories
+from workflow_delivery import services
+from workflow_delivery.protocol import NewDelivery
+from workflow_delivery.wakeups import WakeHint, WakeListener, format_wake, parse_wake
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+# How long "nothing arrives" is watched for; a notification on this machine takes ~1 ms.
+QUIET_SECONDS = 0.3
+
+
+@pytest.fixture
+def listener():
+    with WakeListener() as listening:
+        yield listening
+
+
+def drain(listener: WakeListener, seconds: float = 2.0) -> list[WakeHint]:
+    """Every hint that arrives until a quiet gap (or ``seconds`` with none at all)."""
+    hints = listener.wait(seconds)
+    while hints and (more := listener.wait(QUIET_SECONDS)):
+        hints += more
+    return hints
+
+
+def hints_for(step: factories.Step, deliveries: list[NewDelivery]) -> set[WakeHint]:
+    return {WakeHint(step.community.id, d.binding.target_pubkey, d.id) for d in deliveries}
+
+
+@pytest.mark.django_db
+def test_payload_round_trip_and_malformed_payloads():
+    community, target, delivery = uuid.uuid4(), factories.key32(), uuid.uuid4()
+    payload = format_wake(community, target, delivery)
+    assert payload == f"{community}:{target.hex()}:{delivery}"
+    assert parse_wake(payload) == WakeHint(community, target, delivery)
+    good = [str(community), target.hex(), str(delivery)]
+    malformed = [
+        None,
+        b"bytes",
+        42,
+        "",
+        ":".join(good[:2]),
+        ":".join([*good, "extra"]),
+        ":".join([str(community).upper(), *good[1:]]),
+        ":".join([good[0], target.hex().upper(), good[2]]),
+        ":".join([good[0], target.hex()[:-2], good[2]]),
+        ":".join([good[0], "zz" + target.hex()[2:], good[2]]),
+        ":".join([*good[:2], str(delivery).replace("-", "")]),
+        ":".join([*good[:2], "{" + str(delivery)[1:-1] + "}"]),
+    ]
+    for payload in malformed:
+        assert parse_wake(payload) is None, payload
+
+
+def test_commit_deliveries_wakes_each_created_delivery(listener):
+    step = factories.Step(targets=3)
+    deliveries = factories.committed(step)
+    assert set(drain(listener)) == hints_for(step, deliveries)
+
+
+def test_identity_block_wakes_on_commit_only(listener):
+    step = factories.Step(targets=2)
+    deliveries = step.new_deliveries()
+    with services.delivery_identity(step.community.id, step.run.id, step.step_id) as identity:
+        assert set(identity.commit(step.created_at, deliveries)) == {d.id for d in deliveries}
+        # Inserted but not committed: PostgreSQL holds the notification back.
+        assert listener.wait(QUIET_SECONDS) == []
+    assert set(drain(listener)) == hints_for(step, deliveries)
+
+
+def test_rolled_back_commit_wakes_nobody(listener):
+    step = factories.Step(targets=2)
+
+    class Abandon(Exception):
+        pass
+
+    identity_block = services.delivery_identity(step.community.id, step.run.id, step.step_id)
+    with pytest.raises(Abandon), identity_block as identity:
+        identity.commit(step.created_at, step.new_deliveries())
+        raise Abandon
+    assert listener.wait(QUIET_SECONDS) == []
+
+
+def test_skipped_duplicates_wake_nobody(listener):
+    step = factories.Step(targets=2)
+    first = factories.committed(step)
+    assert set(drain(listener)) == hints_for(step, first)
+    # A retry of the same step with fresh ids creates nothing and sends nothing.
+    retry = step.new_deliveries()
+    assert services.commit_deliveries(step.community.id, step.created_at, retry) == []
+    assert listener.wait(QUIET_SECONDS) == []
+    # One new target next to an existing one: only the created row is announced.
+    newcomer = factories.key32()
+    mixed = [
+        NewDelivery(uuid.uuid4(), step.binding(step.targets[0])),
+        NewDelivery(uuid.uuid4(), step.binding(newcomer)),
+    ]
+    created = services.commit_deliveries(step.community.id, step.created_at, mixed)
+    assert created == [mixed[1].id]
+    assert set(drain(listener)) == hints_for(step, [mixed[1]])
+
+
+def test_setting_off_sends_nothing(listener, settings):
+    settings.WORKFLOW_DELIVERY_NOTIFY = False
+    step = factories.Step(targets=2)
+    created = factories.committed(step)
+    with services.delivery_identity(step.community.id, step.run.id, "step-2") as identity:
+        other = [NewDelivery(uuid.uuid4(), step.binding(t, step_id="step-2")) for t in step.targets]
+        assert len(identity.commit(step.created_at, other)) == 2
+    assert len(created) == 2
+    assert listener.wait(QUIET_SECONDS) == []
+
+
+def test_listener_reconnects_after_its_session_is_killed(listener):
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+            "WHERE application_name = 'workflow_delivery wake listener' AND datname = %s",
+            [connection.settings_dict["NAME"]],
+        )
+    # The loss is noticed, then the next wait reopens the session; neither reports hints.
+    assert listener.wait(QUIET_SECONDS) == []
+    for _ in range(20):
+        if listener.connected:
+            break
+        assert listener.wait(QUIET_SECONDS) == []
+    assert listener.connected and listener.reconnects == 1
+    step = factories.Step(targets=1)
+    deliveries = factories.committed(step)
+    assert set(drain(listener)) == hints_for(step, deliveries)

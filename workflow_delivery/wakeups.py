@@ -1,0 +1,202 @@
+"""Wake-ups: the producer's commit notifies, a consumer listens and claims sooner.
+
+A commit that creates deliveries sends one notification per created row on
+``WAKE_CHANNEL`` from the inserting statement itself, so PostgreSQL delivers them only
+if, and when, that transaction commits. The payload is identifiers only
+(``<community uuid>:<target hex>:<delivery uuid>``), never content. A wake is an
+accelerator: the claim it prompts goes through the ordinary claim path, and polling
+stays the source of truth, so a missed notification only delays a claim until the next
+poll. Sending is switched by ``WORKFLOW_DELIVERY_NOTIFY``.
+
+``WakeListener`` holds its own psycopg 3 connection, outside Django's connection
+handling: ``LISTEN`` needs a session that stays open and idle between waits, which a
+pooled or per-request connection is not.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+from uuid import UUID
+
+from django.db import DEFAULT_DB_ALIAS, connections
+
+__all__ = ["WAKE_CHANNEL", "WakeHint", "WakeListener", "format_wake", "parse_wake"]
+
+WAKE_CHANNEL = "workflow_delivery_wake"
+
+logger = logging.getLogger(__name__)
+
+_HEX = frozenset("0123456789abcdef")
+
+
+@dataclass(frozen=True, slots=True)
+class WakeHint:
+    """A notification's identifiers: a delivery for this target was committed.
+
+    Not ``protocol.WakeHint`` (the signed kind-24620 event an agent may receive): this
+    one comes from the database and names the community too.
+    """
+
+    community_id: UUID
+    target_pubkey: bytes
+    delivery_id: UUID
+
+
+def format_wake(community_id: UUID | str, target_pubkey: bytes, delivery_id: UUID | str) -> str:
+    """The payload the producer's statement sends (built there in SQL, same shape)."""
+    return f"{UUID(str(community_id))}:{bytes(target_pubkey).hex()}:{UUID(str(delivery_id))}"
+
+
+def _canonical_uuid(text: str) -> UUID | None:
+    if len(text) != 36:
+        return None
+    try:
+        value = UUID(text)
+    except ValueError:
+        return None
+    return value if str(value) == text else None
+
+
+def parse_wake(payload: object) -> WakeHint | None:
+    """A payload's hint, or None when it is not exactly the producer's format."""
+    if not isinstance(payload, str):
+        return None
+    parts = payload.split(":")
+    if len(parts) != 3:
+        return None
+    community, target, delivery = parts
+    if len(target) != 64 or not _HEX.issuperset(target):
+        return None
+    community_id, delivery_id = _canonical_uuid(community), _canonical_uuid(delivery)
+    if community_id is None or delivery_id is None:
+        return None
+    return WakeHint(community_id, bytes.fromhex(target), delivery_id)
+
+
+def connection_params(using: str = DEFAULT_DB_ALIAS) -> dict[str, Any]:
+    """Keyword arguments for ``psycopg.connect`` to the database of Django's ``using``
+    alias, without Django's own cursor and adapter machinery."""
+    params = dict(connections[using].get_connection_params())
+    for key in ("cursor_factory", "context", "prepare_threshold"):
+        params.pop(key, None)
+    params.setdefault("application_name", "workflow_delivery wake listener")
+    return params
+
+
+class WakeListener:
+    """``LISTEN`` on a connection of its own; ``wait(timeout)`` returns the hints that
+    arrived, or an empty list after ``timeout`` seconds.
+
+    A lost connection is reopened on the next ``wait`` with a growing pause (up to
+    ``max_backoff`` seconds). Notifications sent while no session listened are gone,
+    so ``wait`` returns at once, empty, after every reconnect: the caller should poll
+    then. Not thread-safe: one listener per waiting thread.
+    """
+
+    def __init__(
+        self,
+        using: str = DEFAULT_DB_ALIAS,
+        *,
+        channel: str = WAKE_CHANNEL,
+        max_backoff: float = 5.0,
+    ) -> None:
+        self.using = using
+        self.channel = channel
+        self.max_backoff = max_backoff
+        self.reconnects = 0
+        self._conn: Any = None
+        self._backoff = 0.0
+        self._next_attempt = 0.0
+        self._ever_connected = False
+
+    def __enter__(self) -> WakeListener:
+        self.connect()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    @property
+    def connected(self) -> bool:
+        return self._conn is not None and not self._conn.closed
+
+    def connect(self) -> None:
+        """Open the session and ``LISTEN``; raises ``psycopg.OperationalError`` if the
+        server cannot be reached."""
+        import psycopg
+        from psycopg import sql
+
+        self.close()
+        # Autocommit: LISTEN takes effect at once, and an idle session holds no
+        # transaction open (no snapshot, nothing for vacuum to wait on).
+        conn = psycopg.connect(autocommit=True, **connection_params(self.using))
+        try:
+            conn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(self.channel)))
+        except BaseException:
+            conn.close()
+            raise
+        self._conn = conn
+        if self._ever_connected:
+            self.reconnects += 1
+        self._ever_connected = True
+        self._backoff = 0.0
+
+    def close(self) -> None:
+        conn, self._conn = self._conn, None
+        if conn is not None and not conn.closed:
+            try:
+                conn.close()
+            except Exception:  # closing a broken session must not raise
+                logger.debug("closing the wake listener's connection failed", exc_info=True)
+
+    def _lost(self, exc: BaseException) -> None:
+        logger.warning("wake listener lost its connection (%s); polling until it is back", exc)
+        self.close()
+        self._backoff = min(self.max_backoff, max(0.1, self._backoff * 2))
+        self._next_attempt = time.monotonic() + self._backoff
+
+    def _reconnect(self, timeout: float) -> bool:
+        """Try to reopen the session, waiting at most ``timeout`` for the backoff."""
+        import psycopg
+
+        pause = self._next_attempt - time.monotonic()
+        if pause > 0:
+            time.sleep(min(pause, max(0.0, timeout)))
+            if self._next_attempt > time.monotonic():
+                return False
+        try:
+            self.connect()
+        except psycopg.OperationalError as exc:
+            self._lost(exc)
+            return False
+        return True
+
+    def wait(self, timeout: float) -> list[WakeHint]:
+        """Hints that arrive within ``timeout`` seconds, as soon as the first does.
+        Malformed payloads are dropped. Empty after a timeout or a reconnect."""
+        import psycopg
+
+        if not self.connected:
+            # Either way the caller polls next: anything sent meanwhile was missed.
+            self._reconnect(timeout)
+            return []
+        hints: list[WakeHint] = []
+        try:
+            # Each generator is run to its end: it stops only after yielding every
+            # notification of the packet it read, so none is dropped half-read.
+            received = list(self._conn.notifies(timeout=max(0.0, timeout), stop_after=1))
+            if received:
+                received += list(self._conn.notifies(timeout=0))
+        except psycopg.OperationalError as exc:
+            self._lost(exc)
+            return []
+        for notify in received:
+            hint = parse_wake(notify.payload)
+            if hint is None:
+                logger.debug("ignoring a malformed wake payload %r", notify.payload)
+            else:
+                hints.append(hint)
+        return hints
