@@ -14,13 +14,21 @@ API (stable for ``bench/chaos.py`` and friends):
   state=…)``; ``truncate_deliveries(conn)``; ``vacuum(conn)``.
 - ``target_key(i)``: the 32-byte pubkey of target ``i``; ``TARGETS`` = 64.
 - ``percentile(values, q)``.
+- ``api_server(database_url, server="uvicorn", workers=1)``: context manager; the
+  demo project served by uvicorn (ASGI) or gunicorn (WSGI, gthread workers, persistent
+  connections) over that database on a free loopback port; yields its base URL and
+  stops the server (and its connections) on exit.
+- ``database_url(db)``: a ``DATABASE_URL`` for a ``BenchDb``, for server processes.
 """
 
 from __future__ import annotations
 
 import os
 import signal
+import socket
+import subprocess
 import sys
+import time
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -28,6 +36,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote
 
 import psycopg
 from tqdm import tqdm
@@ -256,3 +265,92 @@ def percentile(values: list[float], q: float) -> float:
     ordered = sorted(values)
     index = min(len(ordered) - 1, max(0, round(q / 100 * (len(ordered) - 1))))
     return ordered[index]
+
+
+def database_url(db: BenchDb) -> str:
+    info = db.conninfo
+    credentials = quote(info.get("user") or "", safe="")
+    if info.get("password"):
+        credentials += ":" + quote(info["password"], safe="")
+    host = quote(info.get("host") or "127.0.0.1", safe="")
+    port = f":{info['port']}" if info.get("port") else ""
+    return f"postgres://{credentials}@{host}{port}/{db.name}"
+
+
+def _listening_socket() -> socket.socket:
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(512)
+    return listener
+
+
+def _answers(port: int) -> bool:
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=1) as probe:
+            probe.sendall(b"GET /agents/v1/openapi.json HTTP/1.0\r\nHost: probe\r\n\r\n")
+            return probe.recv(16).split(b" ")[1:2] == [b"200"]
+    except OSError:
+        return False
+
+
+SERVERS = ("uvicorn", "gunicorn")
+
+
+def _server_command(server: str, fd: int, workers: int) -> list[str]:
+    if server == "uvicorn":
+        command = [sys.executable, "-m", "uvicorn", "buzz_project.asgi:application"]
+        command += ["--fd", str(fd), "--workers", str(workers), "--log-level", "warning"]
+        return [*command, "--no-access-log", "--timeout-graceful-shutdown", "3"]
+    if server == "gunicorn":
+        command = [sys.executable, "-m", "gunicorn", "buzz_project.wsgi:application"]
+        command += ["--bind", f"fd://{fd}", "--workers", str(workers)]
+        command += ["--worker-class", "gthread", "--threads", "4"]
+        return [*command, "--log-level", "warning", "--graceful-timeout", "3"]
+    raise ValueError(f"server must be one of {SERVERS}, not {server!r}")
+
+
+@contextmanager
+def api_server(
+    url: str, *, server: str = "uvicorn", workers: int = 1, env: dict[str, str] | None = None
+) -> Iterator[str]:
+    """The demo project under ``server`` over database ``url``, on a socket bound
+    here (so the port is known before the server starts and no other process can take
+    it); yields ``http://127.0.0.1:PORT``. SIGTERM at the end, SIGKILL if it lingers.
+    Under gunicorn each worker thread keeps its connection (``conn_max_age``); under
+    uvicorn Django runs each request's sync code on a thread of its own, so each
+    request opens a connection."""
+    listener = _listening_socket()
+    port = listener.getsockname()[1]
+    if server == "gunicorn":
+        url += "?conn_max_age=60"
+    environment = {
+        **os.environ,
+        "DATABASE_URL": url,
+        "DEBUG": "false",
+        "SECRET_KEY": os.environ.get("SECRET_KEY", "bench-only-not-a-secret"),
+        "ALLOWED_HOSTS": "*",
+        **(env or {}),
+    }
+    process = subprocess.Popen(
+        _server_command(server, listener.fileno(), workers),
+        cwd=ROOT,
+        env=environment,
+        pass_fds=[listener.fileno()],
+        start_new_session=True,
+    )
+    listener.close()
+    try:
+        deadline = time.monotonic() + 30
+        while not _answers(port):
+            if process.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"{server} did not start (exit status {process.poll()})")
+            time.sleep(0.1)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        os.killpg(process.pid, signal.SIGTERM)
+        try:
+            process.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()

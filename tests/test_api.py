@@ -453,6 +453,11 @@ def test_wait_answers_at_once_for_a_delivery_already_pending(client, agent):
     assert time.monotonic() - started < 10
 
 
+def test_wait_beyond_the_waiter_limit_is_told_to_poll(client, agent, settings):
+    settings.WORKFLOW_DELIVERY_API_MAX_WAITERS = 0
+    answer(agent.call(client, "GET", "v1/wait", query="timeout=5"), 503, "too_many_waiters")
+
+
 def test_wait_without_a_pending_delivery_ends_empty(client, agent):
     answer(agent.call(client, "POST", "v1/claim"), 200)
     assert answer(agent.call(client, "GET", "v1/wait", query="timeout=1"), 204) is None
