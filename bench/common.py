@@ -268,13 +268,17 @@ def percentile(values: list[float], q: float) -> float:
 
 
 def database_url(db: BenchDb) -> str:
+    """A ``DATABASE_URL`` for ``db``; a Unix-socket directory (the embedded server)
+    travels as ``?host=``, which django-environ hands to psycopg unchanged."""
     info = db.conninfo
     credentials = quote(info.get("user") or "", safe="")
     if info.get("password"):
         credentials += ":" + quote(info["password"], safe="")
-    host = quote(info.get("host") or "127.0.0.1", safe="")
+    host = info.get("host") or "127.0.0.1"
+    if host.startswith("/"):
+        return f"postgres://{credentials}@/{db.name}?host={quote(host)}"
     port = f":{info['port']}" if info.get("port") else ""
-    return f"postgres://{credentials}@{host}{port}/{db.name}"
+    return f"postgres://{credentials}@{quote(host, safe='')}{port}/{db.name}"
 
 
 def _listening_socket() -> socket.socket:
@@ -323,7 +327,7 @@ def api_server(
     listener = _listening_socket()
     port = listener.getsockname()[1]
     if server == "gunicorn":
-        url += "?conn_max_age=60"
+        url += ("&" if "?" in url else "?") + "conn_max_age=60"
     environment = {
         **os.environ,
         "DATABASE_URL": url,

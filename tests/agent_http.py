@@ -7,7 +7,6 @@ import json
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
-from urllib.parse import urlsplit, urlunsplit
 
 from django.conf import settings
 from django.test import Client
@@ -66,14 +65,10 @@ def signed(
 
 
 def _database_url() -> str:
-    """The test database (as pytest-django created it) for a server process."""
-    db = settings.DATABASES["default"]
-    base = urlsplit(os.environ.get("DATABASE_URL", ""))
-    if base.scheme:
-        return urlunsplit(base._replace(path="/" + db["NAME"]))
-    user = db.get("USER") or ""
-    host = f"{db.get('HOST') or '127.0.0.1'}:{db.get('PORT') or 5432}"
-    return f"postgres://{user}@{host}/{db['NAME']}"
+    """The test database (as pytest-django named it) for a server process."""
+    entry = settings.DATABASES["default"]
+    name = entry["NAME"]
+    return common.database_url(common.BenchDb(name, common.conninfo(entry, name)))
 
 
 @contextmanager
