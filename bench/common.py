@@ -301,11 +301,14 @@ def _answers(port: int) -> bool:
 SERVERS = ("uvicorn", "gunicorn")
 
 
-def _server_command(server: str, fd: int, workers: int) -> list[str]:
+def _server_command(server: str, fd: int, port: int, workers: int) -> list[str]:
     if server == "uvicorn":
+        # Not --fd: uvicorn takes an inherited descriptor for a Unix socket, so TCP_NODELAY
+        # is never set and Nagle's algorithm meets delayed ACKs (~40 ms a response).
         command = [sys.executable, "-m", "uvicorn", "buzz_project.asgi:application"]
-        command += ["--fd", str(fd), "--workers", str(workers), "--log-level", "warning"]
-        return [*command, "--no-access-log", "--timeout-graceful-shutdown", "3"]
+        command += ["--host", "127.0.0.1", "--port", str(port), "--workers", str(workers)]
+        command += ["--log-level", "warning", "--no-access-log"]
+        return [*command, "--timeout-graceful-shutdown", "3"]
     if server == "gunicorn":
         command = [sys.executable, "-m", "gunicorn", "buzz_project.wsgi:application"]
         command += ["--bind", f"fd://{fd}", "--workers", str(workers)]
@@ -318,9 +321,9 @@ def _server_command(server: str, fd: int, workers: int) -> list[str]:
 def api_server(
     url: str, *, server: str = "uvicorn", workers: int = 1, env: dict[str, str] | None = None
 ) -> Iterator[str]:
-    """The demo project under ``server`` over database ``url``, on a socket bound
-    here (so the port is known before the server starts and no other process can take
-    it); yields ``http://127.0.0.1:PORT``. SIGTERM at the end, SIGKILL if it lingers.
+    """The demo project under ``server`` over database ``url`` on a free loopback
+    port (gunicorn inherits the socket bound here; uvicorn binds the port just
+    released); yields ``http://127.0.0.1:PORT``. SIGTERM at the end, SIGKILL if it lingers.
     Under gunicorn each worker thread keeps its connection (``conn_max_age``); under
     uvicorn Django runs each request's sync code on a thread of its own, so each
     request opens a connection."""
@@ -336,11 +339,14 @@ def api_server(
         "ALLOWED_HOSTS": "*",
         **(env or {}),
     }
+    inherited = [listener.fileno()] if server == "gunicorn" else []
+    if not inherited:
+        listener.close()
     process = subprocess.Popen(
-        _server_command(server, listener.fileno(), workers),
+        _server_command(server, listener.fileno(), port, workers),
         cwd=ROOT,
         env=environment,
-        pass_fds=[listener.fileno()],
+        pass_fds=inherited,
         start_new_session=True,
     )
     listener.close()
