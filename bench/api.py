@@ -7,7 +7,9 @@ and the per-request cost of NIP-98 verification and the replay-guard insert.
 
 Creates its own database (``<prefix>_<pid>``), migrates, seeds pending deliveries
 round-robin over the agents' keys, and drops it at the end (also on Ctrl-C/SIGTERM).
-Each side runs ``--agents`` processes that start together on a barrier; only cycles
+A third phase (uvicorn only) repeats the HTTP side while ``--waiters`` other agents
+sit in ``wait``, to show that waiting agents do not slow claims. Each side runs
+``--agents`` processes that start together on a barrier; only cycles
 that end inside the measured window count. The HTTP side is the demo project under
 uvicorn with ``--server-workers`` worker processes on loopback, each agent an
 ``AgentClient`` (signing every request); the service side calls
@@ -21,6 +23,7 @@ import json
 import multiprocessing as mp
 import os
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -147,6 +150,21 @@ def _phase(mode: str, where: str, community: str, secrets: list[bytes], options)
     }
 
 
+def _waiters(url: str, count: int, stop: threading.Event) -> list[threading.Thread]:
+    """``count`` agents (keys with no deliveries) waiting in ``wait`` in a loop."""
+    from workflow_delivery.client import AgentClient
+
+    def wait_forever() -> None:
+        with AgentClient(f"{url}/agents/", os.urandom(32), timeout=30) as client:
+            while not stop.is_set():
+                client.wait(timeout=5)
+
+    threads = [threading.Thread(target=wait_forever, daemon=True) for _ in range(count)]
+    for thread in threads:
+        thread.start()
+    return threads
+
+
 def _per_call(function, count: int) -> float:
     started = time.perf_counter()
     for _ in range(count):
@@ -194,6 +212,9 @@ def _arguments(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--server", choices=common.SERVERS, default="uvicorn")
     parser.add_argument("--server-workers", type=int, default=2, help="server worker processes")
     parser.add_argument("--rows", type=int, default=100_000, help="pending deliveries seeded")
+    parser.add_argument(
+        "--waiters", type=int, default=100, help="agents in wait during a third phase (uvicorn)"
+    )
     parser.add_argument("--auth-calls", type=int, default=2000, help="calls per auth figure")
     parser.add_argument("--db-prefix", default="buzz_bench", help="prefix of the scratch database")
     parser.add_argument("--json", type=Path, default=None, metavar="PATH")
@@ -227,6 +248,18 @@ def main(argv: list[str] | None = None) -> int:
         )
         with server as url:
             http = _phase("http", url, community, secrets, options)
+            waiting = None
+            if options.waiters and options.server == "uvicorn":
+                _seed(db, tenant, keys, options.rows)
+                stop = threading.Event()
+                crowd = _waiters(url, options.waiters, stop)
+                time.sleep(2.0)
+                try:
+                    waiting = _phase("http+waiters", url, community, secrets, options)
+                finally:
+                    stop.set()
+                    for thread in crowd:
+                        thread.join(10)
         print(
             f"  HTTP ({options.server}, {options.server_workers} workers): "
             f"{http['cycles_per_s']:.0f} cycles/s",
@@ -240,12 +273,18 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print("| side | cycles/s | p50 cycle ms | p99 cycle ms | misses |")
     print("|---|---|---|---|---|")
-    for side in (service, http):
+    for side in (service, http, waiting):
+        if side is None:
+            continue
         print(
             f"| {side['mode']} | {side['cycles_per_s']:.0f} | {side['p50_ms']:.2f} "
             f"| {side['p99_ms']:.2f} | {side['misses']} |"
         )
     print(f"\nHTTP / in-process: {ratio:.3f}x" if ratio is not None else "\nno service cycles")
+    crowd_ratio = None
+    if waiting is not None and http["cycles_per_s"]:
+        crowd_ratio = waiting["cycles_per_s"] / http["cycles_per_s"]
+        print(f"HTTP with {options.waiters} agents waiting / without: {crowd_ratio:.3f}x")
     print(
         f"per request: sign {costs['sign_us']:.0f} µs (client), verify {costs['verify_us']:.0f} µs,"
         f" replay insert {costs['replay_insert_us']:.0f} µs"
@@ -254,6 +293,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     if options.json is not None:
         report = {"service": service, "http": http, "ratio": ratio, "auth": costs}
+        report |= {"http_with_waiters": waiting, "waiters_ratio": crowd_ratio}
         report["options"] = {k: str(v) for k, v in vars(options).items()}
         options.json.write_text(json.dumps(report, indent=2))
     return 0

@@ -48,7 +48,7 @@ def test_api_bench_runs_and_drops_its_database(db, tmp_path: Path, server: str) 
     prefix = os.environ.get("BENCH_DB_PREFIX", "buzz_bench")
     command = [sys.executable, str(ROOT / "bench" / "api.py"), "--server", server]
     command += ["--seconds", "0.5", "--warmup", "0.2", "--agents", "2", "--server-workers", "1"]
-    command += ["--rows", "300", "--auth-calls", "20", "--db-prefix", prefix]
+    command += ["--rows", "300", "--auth-calls", "20", "--waiters", "5", "--db-prefix", prefix]
     command += ["--json", str(report)]
     proc = subprocess.Popen(
         command, cwd=ROOT, env=os.environ.copy(), stdout=subprocess.PIPE, stderr=subprocess.PIPE
@@ -59,6 +59,8 @@ def test_api_bench_runs_and_drops_its_database(db, tmp_path: Path, server: str) 
     results = json.loads(report.read_text())
     assert results["service"]["cycles"] > 0 and results["http"]["cycles"] > 0
     assert {"verify_us", "replay_insert_us", "sign_us"} <= set(results["auth"])
+    if server == "uvicorn":
+        assert results["http_with_waiters"]["cycles"] > 0
     assert b"HTTP / in-process" in out
 
     with connection.cursor() as cursor:
