@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 from datetime import UTC, datetime
+from uuid import UUID
 
 from asgiref.sync import sync_to_async
 from django.http import Http404, HttpRequest, HttpResponse
@@ -41,7 +42,9 @@ api = NinjaAPI(
 ERRORS = {code: schema.ErrorOut for code in (400, 401, 404, 409, 413)}
 
 
-def error(request: HttpRequest, status: int, code: str, detail: str, field: str | None = None):
+def error(
+    request: HttpRequest, status: int, code: str, detail: str, field: str | None = None
+) -> HttpResponse:
     body: dict[str, str] = {"error": code, "detail": detail}
     if field is not None:
         body["field"] = field
@@ -84,7 +87,7 @@ def _invalid(request: HttpRequest, exc: ValidationError) -> HttpResponse:
 
 @api.exception_handler(HttpError)
 def _http_error(request: HttpRequest, exc: HttpError) -> HttpResponse:
-    if exc.status_code == 400:
+    if exc.status_code == 400 and str(exc).startswith("Cannot parse request body"):
         return error(request, 400, "invalid_json", "the body is not a JSON document")
     return error(request, exc.status_code, "http_error", str(exc))
 
@@ -104,7 +107,7 @@ def _caller(request: HttpRequest) -> Caller:
     return request.auth  # type: ignore[attr-defined,return-value]
 
 
-def _delivery_id(value: str) -> object:
+def _delivery_id(value: str) -> UUID:
     try:
         return as_uuid("delivery_id", value)
     except ProtocolError as exc:
@@ -191,7 +194,7 @@ def get(request: HttpRequest, delivery_id: schema.Uuid):
     return Status(200, documents.delivery_document(record))
 
 
-def _prepare_wait(caller: Caller) -> object | None:
+def _prepare_wait(caller: Caller) -> UUID | None:
     """After the waiter is registered and the listener LISTENs: the oldest pending
     delivery already there (committed before we listened), or None. The request's
     connection is then released so the wait itself holds none."""
@@ -209,7 +212,7 @@ def _prepare_wait(caller: Caller) -> object | None:
             release_connection()
 
 
-def _wake(caller: Caller, delivery_id: object):
+def _wake(caller: Caller, delivery_id: UUID) -> Status:
     return Status(200, {"delivery_id": str(delivery_id), "target": caller.pubkey.hex()})
 
 
