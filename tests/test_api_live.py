@@ -8,6 +8,8 @@ have come through the channel.
 
 from __future__ import annotations
 
+import http.client
+import json
 import threading
 import time
 import uuid
@@ -17,6 +19,7 @@ from django.db import connection
 
 from tests import factories
 from tests.agent_http import pubkey, secret, uvicorn_server
+from workflow_delivery.api import nip98
 from workflow_delivery.client import AgentClient
 from workflow_delivery.exceptions import AgentApiError
 from workflow_delivery.protocol import (
@@ -182,3 +185,43 @@ def test_refusals_reach_the_client_as_named_errors(server):
         with pytest.raises(AgentApiError) as caught:
             agent.claim(lease_seconds=10**9)
         assert (caught.value.status, caught.value.code) == (400, "invalid_request")
+
+
+def test_one_signed_request_sent_at_once_to_two_server_processes_is_served_once():
+    """uvicorn with two worker processes: the same event from 8 connections at once."""
+    owner = factories.community("localhost")
+    key = secret()
+    factories.committed(factories.Step(owner=owner, targets=[pubkey(key)]))
+    with uvicorn_server(workers=2) as root:
+        port = int(root.rsplit(":", 1)[1])
+        url = f"http://localhost:{port}/agents/v1/claim"
+        header = nip98.sign_request(key, url=url, method="POST")
+        barrier = threading.Barrier(8)
+        answers: list[tuple[int, str | None]] = []
+
+        def send() -> None:
+            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+            try:
+                barrier.wait(30)
+                conn.request(
+                    "POST",
+                    "/agents/v1/claim",
+                    headers={"Host": f"localhost:{port}", "Authorization": header},
+                )
+                response = conn.getresponse()
+                body = response.read()
+                answers.append(
+                    (
+                        response.status,
+                        json.loads(body)["error"] if body and response.status == 401 else None,
+                    )
+                )
+            finally:
+                conn.close()
+
+        threads = [threading.Thread(target=send) for _ in range(8)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(60)
+    assert sorted(answers) == [(200, None)] + [(401, "auth_replay")] * 7
