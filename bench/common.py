@@ -14,13 +14,21 @@ API (stable for ``bench/chaos.py`` and friends):
   state=…)``; ``truncate_deliveries(conn)``; ``vacuum(conn)``.
 - ``target_key(i)``: the 32-byte pubkey of target ``i``; ``TARGETS`` = 64.
 - ``percentile(values, q)``.
+- ``api_server(database_url, server="uvicorn", workers=1)``: context manager; the
+  demo project served by uvicorn (ASGI) or gunicorn (WSGI, gthread workers, persistent
+  connections) over that database on a free loopback port; yields its base URL and
+  stops the server (and its connections) on exit.
+- ``database_url(db)``: a ``DATABASE_URL`` for a ``BenchDb``, for server processes.
 """
 
 from __future__ import annotations
 
 import os
 import signal
+import socket
+import subprocess
 import sys
+import time
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -28,6 +36,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote
 
 import psycopg
 from tqdm import tqdm
@@ -269,3 +278,102 @@ def percentile(values: list[float], q: float) -> float:
     ordered = sorted(values)
     index = min(len(ordered) - 1, max(0, round(q / 100 * (len(ordered) - 1))))
     return ordered[index]
+
+
+def database_url(db: BenchDb) -> str:
+    """A ``DATABASE_URL`` for ``db``; a Unix-socket directory (the embedded server)
+    travels as ``?host=``, which django-environ hands to psycopg unchanged."""
+    info = db.conninfo
+    credentials = quote(info.get("user") or "", safe="")
+    if info.get("password"):
+        credentials += ":" + quote(info["password"], safe="")
+    host = info.get("host") or "127.0.0.1"
+    if host.startswith("/"):
+        return f"postgres://{credentials}@/{db.name}?host={quote(host)}"
+    port = f":{info['port']}" if info.get("port") else ""
+    return f"postgres://{credentials}@{quote(host, safe='')}{port}/{db.name}"
+
+
+def _listening_socket() -> socket.socket:
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(512)
+    return listener
+
+
+def _answers(port: int) -> bool:
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=1) as probe:
+            probe.sendall(b"GET /agents/v1/openapi.json HTTP/1.0\r\nHost: probe\r\n\r\n")
+            return probe.recv(16).split(b" ")[1:2] == [b"200"]
+    except OSError:
+        return False
+
+
+SERVERS = ("uvicorn", "gunicorn")
+
+
+def _server_command(server: str, fd: int, port: int, workers: int) -> list[str]:
+    if server == "uvicorn":
+        # Not --fd: uvicorn takes an inherited descriptor for a Unix socket, so TCP_NODELAY
+        # is never set and Nagle's algorithm meets delayed ACKs (~40 ms a response).
+        command = [sys.executable, "-m", "uvicorn", "buzz_project.asgi:application"]
+        command += ["--host", "127.0.0.1", "--port", str(port), "--workers", str(workers)]
+        command += ["--log-level", "warning", "--no-access-log"]
+        return [*command, "--timeout-graceful-shutdown", "3"]
+    if server == "gunicorn":
+        command = [sys.executable, "-m", "gunicorn", "buzz_project.wsgi:application"]
+        command += ["--bind", f"fd://{fd}", "--workers", str(workers)]
+        command += ["--worker-class", "gthread", "--threads", "4"]
+        return [*command, "--log-level", "warning", "--graceful-timeout", "3"]
+    raise ValueError(f"server must be one of {SERVERS}, not {server!r}")
+
+
+@contextmanager
+def api_server(
+    url: str, *, server: str = "uvicorn", workers: int = 1, env: dict[str, str] | None = None
+) -> Iterator[str]:
+    """The demo project under ``server`` over database ``url`` on a free loopback
+    port (gunicorn inherits the socket bound here; uvicorn binds the port just
+    released); yields ``http://127.0.0.1:PORT``. SIGTERM at the end, SIGKILL if it lingers.
+    Under gunicorn each worker thread keeps its connection (``conn_max_age``); under
+    uvicorn Django runs each request's sync code on a thread of its own, so each
+    request opens a connection."""
+    listener = _listening_socket()
+    port = listener.getsockname()[1]
+    if server == "gunicorn":
+        url += ("&" if "?" in url else "?") + "conn_max_age=60"
+    environment = {
+        **os.environ,
+        "DATABASE_URL": url,
+        "DEBUG": "false",
+        "SECRET_KEY": os.environ.get("SECRET_KEY", "bench-only-not-a-secret"),
+        "ALLOWED_HOSTS": "*",
+        **(env or {}),
+    }
+    inherited = [listener.fileno()] if server == "gunicorn" else []
+    if not inherited:
+        listener.close()
+    process = subprocess.Popen(
+        _server_command(server, listener.fileno(), port, workers),
+        cwd=ROOT,
+        env=environment,
+        pass_fds=inherited,
+        start_new_session=True,
+    )
+    listener.close()
+    try:
+        deadline = time.monotonic() + 30
+        while not _answers(port):
+            if process.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"{server} did not start (exit status {process.poll()})")
+            time.sleep(0.1)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        os.killpg(process.pid, signal.SIGTERM)
+        try:
+            process.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()

@@ -4,4 +4,5 @@ from django.urls import include, path
 urlpatterns = [
     path("admin/", admin.site.urls),
     path("metrics", include("workflow_delivery.metrics")),
+    path("agents/", include("workflow_delivery.api.urls")),
 ]

@@ -39,3 +39,32 @@ def test_harness_runs_and_drops_its_database(db, tmp_path: Path) -> None:
             "SELECT count(*) FROM pg_database WHERE datname = %s", [f"buzz_bench_{proc.pid}"]
         )
         assert cursor.fetchone()[0] == 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("server", ["uvicorn", "gunicorn"])
+def test_api_bench_runs_and_drops_its_database(db, tmp_path: Path, server: str) -> None:
+    report = tmp_path / "api.json"
+    prefix = os.environ.get("BENCH_DB_PREFIX", "buzz_bench")
+    command = [sys.executable, str(ROOT / "bench" / "api.py"), "--server", server]
+    command += ["--seconds", "0.5", "--warmup", "0.2", "--agents", "2", "--server-workers", "1"]
+    command += ["--rows", "300", "--auth-calls", "20", "--waiters", "5", "--db-prefix", prefix]
+    command += ["--json", str(report)]
+    proc = subprocess.Popen(
+        command, cwd=ROOT, env=os.environ.copy(), stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    )
+    out, err = proc.communicate(timeout=240)
+    assert proc.returncode == 0, err.decode()[-2000:]
+
+    results = json.loads(report.read_text())
+    assert results["service"]["cycles"] > 0 and results["http"]["cycles"] > 0
+    assert {"verify_us", "replay_insert_us", "sign_us"} <= set(results["auth"])
+    if server == "uvicorn":
+        assert results["http_with_waiters"]["cycles"] > 0
+    assert b"HTTP / in-process" in out
+
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "SELECT count(*) FROM pg_database WHERE datname = %s", [f"{prefix}_{proc.pid}"]
+        )
+        assert cursor.fetchone()[0] == 0

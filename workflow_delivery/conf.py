@@ -16,6 +16,13 @@ DEFAULTS: dict[str, Any] = {
     "REAP_INTERVAL_SECONDS": 5.0,
     "REAP_YIELD_RATIO": 1.0,
     "PREPARED_STATEMENTS": True,
+    # The agent HTTP API (workflow_delivery.api).
+    "API_ORIGIN": None,
+    "API_MAX_CLOCK_SKEW_SECONDS": 60,
+    "API_MAX_BODY_BYTES": 65536,
+    "API_MAX_WAIT_SECONDS": 60,
+    "API_MAX_WAITERS": 1000,
+    "API_REPLAY_PRUNE_INTERVAL_SECONDS": 60.0,
     # Producer commits send a wake-up per created delivery (see wakeups.py): right
     # after the commit, or (IN_TRANSACTION) from the insert itself, which costs more.
     "NOTIFY": True,

@@ -108,5 +108,24 @@ class LeaseLostError(WorkflowDeliveryError):
         )
 
 
+class AgentAuthRefused(WorkflowDeliveryError):
+    """A signed agent request (NIP-98) that the API refuses; ``code`` is stable."""
+
+    def __init__(self, code: str, detail: str) -> None:
+        self.code = code
+        self.detail = detail
+        super().__init__(f"{code}: {detail}")
+
+
+class AgentApiError(WorkflowDeliveryError):
+    """An answer of the agent API that is not a result: ``status``, stable ``code``, ``detail``."""
+
+    def __init__(self, status: int, code: str, detail: str) -> None:
+        self.status = status
+        self.code = code
+        self.detail = detail
+        super().__init__(f"{status} {code}: {detail}")
+
+
 class WorkflowDeliveryConfigurationError(ImproperlyConfigured):
     """A WORKFLOW_DELIVERY_* setting is unusable."""

@@ -411,3 +411,25 @@ class DeliveryTransition(models.Model):
 
     def __str__(self) -> str:
         return f"{self.kind} at {self.at}"
+
+
+class AgentRequestReplay(models.Model):
+    """A signed agent request already accepted: its event id, kept while the event
+    could still pass the freshness window, so the same event is served only once."""
+
+    id = models.BigAutoField(primary_key=True)
+    community = _tenant_fk(Community, related_name="+")
+    event_id = models.BinaryField()
+    event_created_at = models.DateTimeField()
+    seen_at = models.DateTimeField(db_default=TransactionNow(), editable=False)
+
+    class Meta:
+        db_table = "agent_request_replays"
+        constraints = [
+            models.UniqueConstraint(fields=["community", "event_id"], name="wd_replay_event_key"),
+            _bytes32("event_id", "wd_replay_event_id_32_bytes"),
+        ]
+        indexes = [models.Index(fields=["event_created_at"], name="wd_replay_prune_idx")]
+
+    def __str__(self) -> str:
+        return bytes(self.event_id).hex()

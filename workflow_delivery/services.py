@@ -28,6 +28,7 @@ from .conf import (
 )
 from .exceptions import (
     BindingScopeError,
+    CommunityWriteFenced,
     InvalidLeaseSeconds,
     LeaseLostError,
     ProtocolError,
@@ -68,8 +69,10 @@ __all__ = [
     "holding",
     "prune_cutoff",
     "prune_deliveries",
+    "prune_replay_guard",
     "reap_deliveries",
     "reap_expired_deliveries",
+    "record_request_event",
     "release_deliveries",
     "release_lease",
     "renew_delivery",
@@ -729,3 +732,56 @@ def fail_deliveries(
     """Operator terminal: pending or claimed rows of an active community become
     ``failed``. Returns the ids marked. The timeline records ``operator:<operator>``."""
     return _operator_update(sql.MARK_FAILED, community_id, delivery_ids, operator, using)
+
+
+def record_request_event(
+    community_id: UUID | str,
+    event_id: bytes,
+    created_at: int,
+    *,
+    using: str = DEFAULT_DB_ALIAS,
+) -> tuple[bool, bool]:
+    """The agent API's freshness check and replay guard for one signed request event,
+    by the database clock: ``(fresh, recorded)``. A fresh event is recorded once per
+    community; ``recorded`` is False when the same event was already accepted, even
+    by another process at the same instant. A fenced community raises
+    ``CommunityWriteFenced`` (the guard is a tenant table behind the write fence)."""
+    community_id = as_uuid("community_id", community_id)
+    event_id = as_bytes32("event_id", event_id)
+    if not is_whole_number(created_at) or not 0 <= created_at < 2**40:
+        raise ProtocolError("created_at", f"must be a whole number of seconds, not {created_at!r}")
+    skew = app_settings.API_MAX_CLOCK_SKEW_SECONDS
+    with db.cursor(using) as cursor:
+        cursor.execute(
+            sql.ACCEPT_REQUEST_EVENT, [created_at, skew, community_id, event_id, created_at]
+        )
+        fresh, recorded = cursor.fetchone()
+    return bool(fresh), bool(recorded)
+
+
+def prune_replay_guard(
+    *, batch_size: int = 1000, max_batches: int | None = None, using: str = DEFAULT_DB_ALIAS
+) -> int:
+    """Delete the replay-guard rows whose events can no longer pass the freshness
+    window (kept one extra window, so a request checked just before a prune cannot
+    slip past its twin), in bounded batches; returns how many were deleted. A
+    community being deleted is skipped, not waited for."""
+    if not (is_whole_number(batch_size) and batch_size >= 1):
+        raise ProtocolError("batch_size", f"must be a positive whole number, not {batch_size!r}")
+    horizon = 2 * app_settings.API_MAX_CLOCK_SKEW_SECONDS
+    total, batches = 0, 0
+    while max_batches is None or batches < max_batches:
+        # Each batch is its own short transaction (unless the caller holds one).
+        try:
+            with db.cursor(using) as cursor:
+                cursor.execute(sql.PRUNE_REPLAYS_BATCH, [horizon, batch_size])
+                count = cursor.rowcount
+        except CommunityWriteFenced:
+            # A tenant was fenced between our look at it and the delete; the next
+            # sweep skips it.
+            return total
+        total += count
+        batches += 1
+        if count < batch_size:
+            break
+    return total

@@ -30,6 +30,7 @@ from .exceptions import (
     StepMessageConflict,
 )
 from .models import (
+    AgentRequestReplay,
     Community,
     DeliveryTransition,
     Event,
@@ -43,6 +44,7 @@ _q = connection.ops.quote_name
 
 DELIVERIES = _q(WorkflowAgentDelivery._meta.db_table)
 COMMUNITIES = _q(Community._meta.db_table)
+REPLAYS = _q(AgentRequestReplay._meta.db_table)
 
 # Columns of a delivery record, in the order ``db.record`` reads them.
 RECORD_COLUMNS = [
@@ -402,6 +404,41 @@ SELECT minutes.m, count(t.id)
  GROUP BY minutes.m ORDER BY minutes.m
 """
 
+# The agent API's freshness check and replay guard in one statement, both by the
+# database clock: a fresh event's id is recorded, and ON CONFLICT makes a second
+# arrival of the same event (from any process, at the same instant) insert nothing.
+# Answers (fresh, recorded).
+ACCEPT_REQUEST_EVENT = f"""
+WITH clock AS (
+    SELECT abs(extract(epoch FROM now()) - %s::bigint) <= %s::bigint AS fresh
+), recorded AS (
+    INSERT INTO {REPLAYS} (community_id, event_id, event_created_at)
+    SELECT %s::uuid, %s::bytea, to_timestamp(%s::bigint) FROM clock WHERE clock.fresh
+    ON CONFLICT ON CONSTRAINT wd_replay_event_key DO NOTHING
+    RETURNING 1
+)
+SELECT clock.fresh, EXISTS (SELECT 1 FROM recorded) FROM clock
+"""
+
+# One bounded batch of replay-guard pruning across communities: only rows whose
+# event can no longer pass the freshness window, only in active communities whose
+# deletion lock is free right now (a tenant being deleted is skipped, never waited
+# for; its purge removes its rows).
+PRUNE_REPLAYS_BATCH = f"""
+WITH open AS (
+    SELECT id FROM {COMMUNITIES}
+     WHERE deletion_state = 'active'
+       AND pg_try_advisory_xact_lock_shared(wd_community_deletion_key(id))
+), doomed AS (
+    SELECT r.id FROM {REPLAYS} AS r
+     WHERE r.event_created_at < now() - make_interval(secs => %s)
+       AND r.community_id IN (SELECT id FROM open)
+     LIMIT %s
+     FOR UPDATE OF r SKIP LOCKED
+)
+DELETE FROM {REPLAYS} AS r USING doomed WHERE r.id = doomed.id
+"""
+
 # The fence's own rule, from migration 0003: READ COMMITTED or a clear error.
 REQUIRE_READ_COMMITTED = "SELECT wd_require_read_committed()"
 
@@ -433,6 +470,7 @@ SELECT set_config('workflow_delivery.executor_community', '', true),
 # Children first, so no foreign key refuses the purge.
 PURGE_ORDER = [
     DeliveryTransition._meta.db_table,
+    AgentRequestReplay._meta.db_table,
     WorkflowAgentDelivery._meta.db_table,
     WorkflowRun._meta.db_table,
     Workflow._meta.db_table,

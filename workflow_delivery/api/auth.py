@@ -1,0 +1,154 @@
+"""Who is calling: the community named by the Host header and the key that signed
+the request (NIP-98). Every refusal is an ``ApiError`` or ``AgentAuthRefused`` with a
+stable code; the views never see an unauthenticated request."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from uuid import UUID
+
+from django.db import DEFAULT_DB_ALIAS, connections
+from django.db.models.functions import Lower
+from django.http import HttpRequest
+from django.http.request import split_domain_port
+from ninja.security import APIKeyHeader
+
+from .. import services
+from ..conf import app_settings
+from ..exceptions import AgentAuthRefused
+from ..models import Community
+from . import nip98
+
+logger = logging.getLogger(__name__)
+
+
+class ApiError(Exception):
+    """An answer other than a result: HTTP ``status``, stable ``code``, ``detail``."""
+
+    def __init__(self, status: int, code: str, detail: str, field: str | None = None) -> None:
+        self.status = status
+        self.code = code
+        self.detail = detail
+        self.field = field
+        super().__init__(f"{code}: {detail}")
+
+
+@dataclass(frozen=True, slots=True)
+class Caller:
+    """An authenticated request: its community and the agent key that signed it."""
+
+    community_id: UUID
+    pubkey: bytes
+    event_id: bytes
+
+
+def community_for(request: HttpRequest) -> UUID:
+    """The community whose host is the request's Host (port aside, any case)."""
+    domain, _port = split_domain_port(request.get_host())
+    community_id = (
+        Community.objects.annotate(host_ci=Lower("host"))
+        .filter(host_ci=domain.lower())
+        .values_list("id", flat=True)
+        .first()
+    )
+    if community_id is None:
+        raise ApiError(404, "unknown_community", f"no community is served at host {domain!r}")
+    return community_id
+
+
+def request_body(request: HttpRequest) -> bytes:
+    """The body, refused before it is read when it is larger than the API accepts."""
+    limit = app_settings.API_MAX_BODY_BYTES
+    try:
+        declared = int(request.META.get("CONTENT_LENGTH") or 0)
+    except ValueError:
+        raise ApiError(400, "invalid_request", "Content-Length is not a number") from None
+    if declared > limit:
+        raise ApiError(413, "body_too_large", f"the body must be at most {limit} bytes")
+    body = request.body
+    if len(body) > limit:
+        raise ApiError(413, "body_too_large", f"the body must be at most {limit} bytes")
+    return body
+
+
+def served_url(request: HttpRequest) -> str:
+    """The absolute URL this request was served at, as the signer must name it. Behind
+    a proxy, ``WORKFLOW_DELIVERY_API_ORIGIN`` (e.g. ``https://agents.example``) is the
+    scheme and host clients were given."""
+    origin = app_settings.API_ORIGIN or f"{request.scheme}://{request.get_host()}"
+    return origin.rstrip("/") + request.get_full_path()
+
+
+def authenticate(request: HttpRequest) -> Caller:
+    community_id = community_for(request)
+    body = request_body(request)
+    event = nip98.parse_authorization(request.headers.get("Authorization"))
+    nip98.check_request(event, url=served_url(request), method=request.method or "", body=body)
+    pubkey = nip98.verify_event(event)
+    fresh, recorded = services.record_request_event(community_id, event.id, event.created_at)
+    if not fresh:
+        skew = app_settings.API_MAX_CLOCK_SKEW_SECONDS
+        raise AgentAuthRefused(
+            "auth_stale", f"created_at must be within {skew} s of the server's clock"
+        )
+    if not recorded:
+        raise AgentAuthRefused("auth_replay", "this signed request was already used")
+    _prune_now_and_then()
+    return Caller(community_id=community_id, pubkey=pubkey, event_id=event.id)
+
+
+_prune_lock = threading.Lock()
+_pruned_at = time.monotonic()
+
+
+def _prune_now_and_then() -> None:
+    """Prune the replay guard from the request path at most once per interval per
+    process, a bounded amount each time; the reaper's loop may also call it."""
+    global _pruned_at
+    interval = app_settings.API_REPLAY_PRUNE_INTERVAL_SECONDS
+    if time.monotonic() - _pruned_at < interval or not _prune_lock.acquire(blocking=False):
+        return
+    try:
+        _pruned_at = time.monotonic()
+        deleted = services.prune_replay_guard(max_batches=4)
+        logger.debug("replay guard: pruned %s rows", deleted)
+    finally:
+        _prune_lock.release()
+
+
+class NostrAuth(APIKeyHeader):
+    """django-ninja's hook (and the OpenAPI security scheme) for NIP-98."""
+
+    param_name = "Authorization"
+
+    def authenticate(self, request: HttpRequest, key: str | None) -> Caller:
+        return authenticate(request)
+
+
+# Waits are many and long, their database work short: this bounds how many waits of
+# one process use a connection at once, so a crowd of waiters can never take all of
+# the server's connections (claims, renews and finishes are not gated).
+wait_gate = threading.BoundedSemaphore(4)
+
+
+def release_connection() -> None:
+    """Close this thread's connection unless a transaction holds it: a waiting request
+    needs none while it waits (CONN_MAX_AGE would otherwise keep it until the end)."""
+    connection = connections[DEFAULT_DB_ALIAS]
+    if not connection.in_atomic_block:
+        connection.close()
+
+
+class NostrWaitAuth(NostrAuth):
+    """NIP-98 for ``wait``: the same checks, through the wait gate, and the
+    connection released before the request starts waiting."""
+
+    def authenticate(self, request: HttpRequest, key: str | None) -> Caller:
+        with wait_gate:
+            try:
+                return authenticate(request)
+            finally:
+                release_connection()

@@ -1,0 +1,181 @@
+"""The API's request and answer documents (pydantic, through django-ninja), and the
+conversions between them and the protocol's values.
+
+Bytes travel as lowercase hex, ids as canonical lowercase UUID strings, times as
+ISO 8601 UTC strings exactly as the database returned them (microseconds kept).
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from ninja import Schema
+from pydantic import AwareDatetime, ConfigDict, Field, StrictInt
+
+from ..protocol import (
+    STEP_ID_MAX_LENGTH,
+    Cause,
+    DeliveryBinding,
+    EventCause,
+    ScheduleCause,
+    WebhookCause,
+)
+
+UUID_PATTERN = r"^[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$"
+HEX32_PATTERN = r"^[0-9a-f]{64}$"
+BIGINT_MAX = 2**63 - 1
+
+Uuid = Annotated[str, Field(pattern=UUID_PATTERN, description="canonical lowercase UUID")]
+Hex32 = Annotated[str, Field(pattern=HEX32_PATTERN, description="32 bytes as lowercase hex")]
+Instant = Annotated[str, Field(json_schema_extra={"format": "date-time"})]
+LeaseSeconds = Annotated[StrictInt, Field(ge=1, le=BIGINT_MAX)]
+Generation = Annotated[StrictInt, Field(ge=0, le=BIGINT_MAX)]
+
+
+class _Strict(Schema):
+    model_config = ConfigDict(extra="forbid")
+
+
+class EventCauseIn(_Strict):
+    kind: Literal["event"]
+    event_id: Hex32
+
+
+class ScheduleCauseIn(_Strict):
+    kind: Literal["schedule"]
+    scheduled_for: AwareDatetime
+
+
+class WebhookCauseIn(_Strict):
+    kind: Literal["webhook"]
+    invocation_id: Uuid
+
+
+CauseIn = Annotated[EventCauseIn | ScheduleCauseIn | WebhookCauseIn, Field(discriminator="kind")]
+
+
+class BindingIn(_Strict):
+    community_id: Uuid
+    workflow_id: Uuid
+    run_id: Uuid
+    step_id: Annotated[str, Field(min_length=1, max_length=STEP_ID_MAX_LENGTH)]
+    target_pubkey: Hex32
+    definition_event_id: Hex32
+    message_event_id: Hex32
+    cause: CauseIn
+
+    def binding(self) -> DeliveryBinding:
+        """The protocol's binding (its constructor names any field it refuses)."""
+        cause = self.cause
+        if isinstance(cause, EventCauseIn):
+            value: Cause = EventCause(bytes.fromhex(cause.event_id))
+        elif isinstance(cause, ScheduleCauseIn):
+            value = ScheduleCause(cause.scheduled_for)
+        else:
+            value = WebhookCause(cause.invocation_id)
+        return DeliveryBinding(
+            community_id=self.community_id,
+            workflow_id=self.workflow_id,
+            run_id=self.run_id,
+            step_id=self.step_id,
+            target_pubkey=bytes.fromhex(self.target_pubkey),
+            definition_event_id=bytes.fromhex(self.definition_event_id),
+            message_event_id=bytes.fromhex(self.message_event_id),
+            cause=value,
+        )
+
+
+class ClaimIn(_Strict):
+    lease_seconds: LeaseSeconds | None = None
+    delivery_id: Uuid | None = None
+    expected: BindingIn | None = None
+
+
+class RenewIn(_Strict):
+    generation: Generation
+    lease_seconds: LeaseSeconds | None = None
+
+
+class FinishIn(_Strict):
+    generation: Generation
+    outcome: Literal["finished", "failed"]
+
+
+class EventCauseOut(Schema):
+    kind: Literal["event"]
+    event_id: Hex32
+
+
+class ScheduleCauseOut(Schema):
+    kind: Literal["schedule"]
+    scheduled_for: Instant
+
+
+class WebhookCauseOut(Schema):
+    kind: Literal["webhook"]
+    invocation_id: Uuid
+
+
+CauseOut = Annotated[
+    EventCauseOut | ScheduleCauseOut | WebhookCauseOut, Field(discriminator="kind")
+]
+
+
+class DeliveryOut(Schema):
+    id: Uuid
+    community_id: Uuid
+    workflow_id: Uuid
+    run_id: Uuid
+    step_id: str
+    target_pubkey: Hex32
+    definition_event_id: Hex32
+    message_event_id: Hex32
+    message_event_created_at: Instant
+    cause: CauseOut
+    status: Literal["pending", "claimed", "finished", "failed"]
+    lease_generation: int
+    lease_until: Instant | None
+    claimed_at: Instant | None
+    finished_at: Instant | None
+    created_at: Instant
+
+
+class LeaseOut(Schema):
+    community_id: Uuid
+    delivery_id: Uuid
+    target_pubkey: Hex32
+    generation: int
+    lease_until: Instant
+
+
+class ClaimOut(Schema):
+    lease: LeaseOut
+    delivery: DeliveryOut
+
+
+class RenewOut(Schema):
+    lease_until: Instant
+
+
+class SettledOut(Schema):
+    result: Literal["settled"]
+    outcome: Literal["finished", "failed"]
+
+
+class AlreadyTerminalOut(Schema):
+    result: Literal["already_terminal"]
+    status: Literal["finished", "failed"]
+
+
+FinishOut = Annotated[SettledOut | AlreadyTerminalOut, Field(discriminator="result")]
+
+
+class WakeOut(Schema):
+    delivery_id: Uuid
+    target: Hex32
+
+
+class ErrorOut(Schema):
+    error: str
+    detail: str
+    field: str | None = None

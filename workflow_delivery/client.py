@@ -1,0 +1,212 @@
+"""The agent's side of the HTTP API: every request signed with the agent's key
+(NIP-98), every answer turned into the value the services return.
+
+    client = AgentClient("https://alpha.example/agents/", secret_key)
+    while True:
+        claimed = client.claim(lease_seconds=30)
+        if claimed is None:
+            client.wait(timeout=30)
+            continue
+        lease, record = claimed
+        ...
+        client.finish(lease, "finished")
+
+Needs only the standard library and coincurve (no Django settings, no database).
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import time
+from urllib.parse import urlencode, urlsplit
+from uuid import UUID
+
+from .api import documents, nip98
+from .exceptions import AgentApiError, ProtocolError
+from .protocol import (
+    AlreadyTerminal,
+    DeliveryBinding,
+    DeliveryRecord,
+    DeliveryStatus,
+    Lease,
+    LeaseLost,
+    Outcome,
+    Renewed,
+    Settled,
+    WakeHint,
+)
+
+__all__ = ["AgentClient"]
+
+# A kept-alive connection idle longer than this is replaced before use: servers
+# close idle connections (uvicorn after 5 s) and a request sent into a closing
+# connection cannot be told apart from one the server received.
+_IDLE_SECONDS = 2.0
+
+
+def _secret(value: bytes | str) -> bytes:
+    if isinstance(value, str):
+        try:
+            value = bytes.fromhex(value)
+        except ValueError:
+            raise ProtocolError("secret_key", "must be 32 bytes or 64 hex characters") from None
+    if not isinstance(value, bytes) or len(value) != 32:
+        raise ProtocolError("secret_key", "must be 32 bytes or 64 hex characters")
+    return value
+
+
+class AgentClient:
+    """One agent (one key) talking to one community's agent API at ``base_url``."""
+
+    def __init__(self, base_url: str, secret_key: bytes | str, *, timeout: float = 30.0) -> None:
+        parts = urlsplit(base_url)
+        if parts.scheme not in ("http", "https") or not parts.netloc:
+            raise ProtocolError("base_url", f"must be an absolute http(s) URL, not {base_url!r}")
+        self.base_url = base_url if base_url.endswith("/") else base_url + "/"
+        self._parts = urlsplit(self.base_url)
+        self._secret = _secret(secret_key)
+        self.pubkey = nip98.public_key(self._secret)
+        self.timeout = timeout
+        self._connection: http.client.HTTPConnection | None = None
+        self._used_at = 0.0
+
+    def close(self) -> None:
+        if self._connection is not None:
+            self._connection.close()
+            self._connection = None
+
+    def __enter__(self) -> AgentClient:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def _open(self, timeout: float) -> http.client.HTTPConnection:
+        fresh = time.monotonic() - self._used_at < _IDLE_SECONDS
+        if self._connection is None or not fresh:
+            self.close()
+            factory = (
+                http.client.HTTPSConnection
+                if self._parts.scheme == "https"
+                else http.client.HTTPConnection
+            )
+            self._connection = factory(self._parts.netloc, timeout=timeout)
+        self._connection.timeout = timeout
+        if self._connection.sock is not None:
+            self._connection.sock.settimeout(timeout)
+        return self._connection
+
+    def request(
+        self,
+        method: str,
+        path: str,
+        document: dict | None = None,
+        *,
+        query: dict[str, object] | None = None,
+        timeout: float | None = None,
+    ) -> tuple[int, dict | None]:
+        """Send one signed request; the status and the JSON answer (None when empty)."""
+        url = self.base_url + path + (f"?{urlencode(query)}" if query else "")
+        body = b"" if document is None else json.dumps(document, separators=(",", ":")).encode()
+        headers = {
+            "Host": self._parts.netloc,
+            "Authorization": nip98.sign_request(self._secret, url=url, method=method, body=body),
+            "Accept": "application/json",
+        }
+        if body:
+            headers["Content-Type"] = "application/json"
+        target = urlsplit(url)
+        connection = self._open(self.timeout if timeout is None else timeout)
+        try:
+            connection.request(
+                method,
+                target.path + (f"?{target.query}" if target.query else ""),
+                body=body or None,
+                headers=headers,
+            )
+            response = connection.getresponse()
+            raw = response.read()
+        except BaseException:
+            self.close()
+            raise
+        self._used_at = time.monotonic()
+        if response.will_close:
+            self.close()
+        return response.status, (json.loads(raw) if raw else None)
+
+    @staticmethod
+    def _refusal(status: int, document: dict | None) -> AgentApiError:
+        document = document or {}
+        return AgentApiError(
+            status, str(document.get("error", "http_error")), str(document.get("detail", ""))
+        )
+
+    def claim(
+        self,
+        *,
+        lease_seconds: int | None = None,
+        delivery_id: UUID | str | None = None,
+        expected: DeliveryBinding | None = None,
+    ) -> tuple[Lease, DeliveryRecord] | None:
+        """Claim this agent's oldest pending delivery (or exactly ``delivery_id``, or only
+        one bound as ``expected``); None on a miss."""
+        document: dict[str, object] = {}
+        if lease_seconds is not None:
+            document["lease_seconds"] = lease_seconds
+        if delivery_id is not None:
+            document["delivery_id"] = str(delivery_id)
+        if expected is not None:
+            document["expected"] = documents.binding_document(expected)
+        status, answer = self.request("POST", "v1/claim", document)
+        if status == 204:
+            return None
+        if status != 200:
+            raise self._refusal(status, answer)
+        return documents.parse_lease(answer["lease"]), documents.parse_delivery(answer["delivery"])
+
+    def _lease_lost(self, status: int, answer: dict | None) -> bool:
+        return status == 409 and (answer or {}).get("error") == "lease_lost"
+
+    def renew(self, lease: Lease, *, lease_seconds: int | None = None) -> Renewed | LeaseLost:
+        document: dict[str, object] = {"generation": lease.generation}
+        if lease_seconds is not None:
+            document["lease_seconds"] = lease_seconds
+        status, answer = self.request("POST", f"v1/deliveries/{lease.delivery_id}/renew", document)
+        if self._lease_lost(status, answer):
+            return LeaseLost()
+        if status != 200:
+            raise self._refusal(status, answer)
+        return Renewed(lease_until=documents.parse_instant(answer["lease_until"]))
+
+    def finish(self, lease: Lease, outcome: Outcome | str) -> Settled | AlreadyTerminal | LeaseLost:
+        document = {"generation": lease.generation, "outcome": Outcome(outcome).value}
+        status, answer = self.request("POST", f"v1/deliveries/{lease.delivery_id}/finish", document)
+        if self._lease_lost(status, answer):
+            return LeaseLost()
+        if status != 200:
+            raise self._refusal(status, answer)
+        if answer["result"] == "already_terminal":
+            return AlreadyTerminal(status=DeliveryStatus(answer["status"]))
+        return Settled(outcome=Outcome(answer["outcome"]))
+
+    def get(self, delivery_id: UUID | str) -> DeliveryRecord | None:
+        """One of this agent's deliveries; None when missing or someone else's."""
+        status, answer = self.request("GET", f"v1/deliveries/{delivery_id}")
+        if status == 404 and (answer or {}).get("error") == "not_found":
+            return None
+        if status != 200:
+            raise self._refusal(status, answer)
+        return documents.parse_delivery(answer)
+
+    def wait(self, timeout: int = 30) -> WakeHint | None:
+        """Block until a delivery for this agent is committed (a hint to claim now), or
+        ``timeout`` seconds (at most 60) pass: then None."""
+        status, answer = self.request(
+            "GET", "v1/wait", query={"timeout": timeout}, timeout=timeout + self.timeout
+        )
+        if status == 204:
+            return None
+        if status != 200:
+            raise self._refusal(status, answer)
+        return WakeHint(bytes.fromhex(answer["target"]), UUID(answer["delivery_id"]))
