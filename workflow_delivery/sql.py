@@ -284,7 +284,7 @@ def purge_statement(table: str) -> str:
 
 _REFERENCE_CONSTRAINTS = {
     "wd_delivery_community_fk": "community",
-    "wd_delivery_workflow_fk": "workflow",
+    # (No key of its own for the workflow: the run's key holds it, migration 0009.)
     "wd_delivery_run_fk": "run (of that workflow)",
     "wd_delivery_message_event_fk": "message event (at that created_at)",
 }
