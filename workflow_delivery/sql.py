@@ -283,8 +283,8 @@ def purge_statement(table: str) -> str:
 
 
 _REFERENCE_CONSTRAINTS = {
-    "wd_delivery_community_fk": "community",
-    # (No key of its own for the workflow: the run's key holds it, migration 0009.)
+    # (No key of its own for the community or the workflow: the run's key holds
+    # both, migration 0009.)
     "wd_delivery_run_fk": "run (of that workflow)",
     "wd_delivery_message_event_fk": "message event (at that created_at)",
 }

@@ -7,6 +7,13 @@
   run key. Deleting a workflow deletes its runs (``wd_run_workflow_fk`` cascades) and
   their deliveries (``wd_delivery_run_fk`` cascades), so the cascade the dropped key
   gave is still there. Every insert checked both keys; now only the one.
+* ``wd_delivery_community_fk`` goes, for the same reason: the run key makes
+  ``(community_id, workflow_id, run_id)`` a run of that community, and
+  ``wd_run_community_fk`` makes the community exist. Deleting a community that still
+  has deliveries is still refused (its runs refuse it: ``wd_run_community_fk`` is
+  RESTRICT, and a delivery cannot outlive its run). The dropped key cost every insert
+  a lookup and a ``FOR KEY SHARE`` lock on the community row, the one row every
+  producer of a community shares.
 * ``wd_delivery_workflow_idx`` goes. It served only the dropped key's cascade; the
   run key's cascade finds a run's deliveries through ``wd_delivery_identity_key``
   ``(community_id, run_id, …)``. One index fewer on every insert and on every
@@ -26,11 +33,20 @@ ALTER TABLE workflow_agent_deliveries ADD CONSTRAINT wd_delivery_workflow_fk
     ON DELETE CASCADE;
 """
 
+DROP_COMMUNITY_FK = (
+    "ALTER TABLE workflow_agent_deliveries DROP CONSTRAINT wd_delivery_community_fk;"
+)
+RESTORE_COMMUNITY_FK = """
+ALTER TABLE workflow_agent_deliveries ADD CONSTRAINT wd_delivery_community_fk
+    FOREIGN KEY (community_id) REFERENCES communities (id) ON DELETE RESTRICT;
+"""
+
 
 class Migration(migrations.Migration):
     dependencies = [("workflow_delivery", "0005_delivery_operator_permissions")]
 
     operations = [
         migrations.RunSQL(sql=DROP_WORKFLOW_FK, reverse_sql=RESTORE_WORKFLOW_FK),
+        migrations.RunSQL(sql=DROP_COMMUNITY_FK, reverse_sql=RESTORE_COMMUNITY_FK),
         migrations.RemoveIndex(model_name="workflowagentdelivery", name="wd_delivery_workflow_idx"),
     ]
