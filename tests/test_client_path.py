@@ -15,9 +15,9 @@ from django.test import override_settings
 
 from tests import factories
 from workflow_delivery import db as delivery_db
-from workflow_delivery import services
+from workflow_delivery import fence, services
 from workflow_delivery.conf import app_settings
-from workflow_delivery.exceptions import ProtocolError
+from workflow_delivery.exceptions import CommunityWriteFenced, ProtocolError
 from workflow_delivery.protocol import (
     DeliveryBinding,
     DeliveryStatus,
@@ -149,3 +149,18 @@ def test_settings_are_read_again_after_an_override(db):
     with override_settings(WORKFLOW_DELIVERY_DEFAULT_LEASE_SECONDS=17):
         assert app_settings.DEFAULT_LEASE_SECONDS == 17
     assert app_settings.DEFAULT_LEASE_SECONDS == 60
+
+
+def test_the_reused_cursor_serves_again_after_a_refused_statement(db):
+    healthy, frozen = factories.Step(), factories.Step()
+    factories.committed(healthy)
+    factories.committed(frozen)
+    fence.transition_community(frozen.community.id, "quiescing")
+    with delivery_db.cursor("default") as before:
+        pass
+    with pytest.raises(CommunityWriteFenced):
+        services.claim_delivery(frozen.community.id, frozen.targets[0])
+    with delivery_db.cursor("default") as after:
+        assert after is before
+    lease, _ = services.claim_delivery(healthy.community.id, healthy.targets[0])
+    assert services.finish_delivery(lease, Outcome.FINISHED) == Settled(Outcome.FINISHED)
