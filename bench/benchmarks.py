@@ -13,12 +13,24 @@ from statistics import mean, median
 from tqdm import tqdm
 
 from bench import common
-from bench.workers import BASELINE, BOTH, SERVICE, Phase, Spec, run_phase, sleep_window
+from bench.workers import (
+    BARE_TABLE,
+    BASELINE,
+    BOTH,
+    CREATE_BARE_TABLE,
+    SERVICE,
+    Phase,
+    Spec,
+    run_phase,
+    sleep_window,
+)
 
 # Claim + finish cycles one second of a phase may consume at most on this class of
 # machine; pending rows are seeded for that, so no phase runs dry.
 CYCLES_PER_SECOND_CEILING = 4000
 REAP_COMMUNITIES = 4
+BATCH = 10
+BARE_STEP = 100
 
 
 @dataclass
@@ -104,22 +116,60 @@ def _cycle_phase(
 
 
 def throughput(db: common.BenchDb, options: Options) -> list[Figure]:
+    figures = []
+    for workers in sorted({1, options.workers or 8}, reverse=True):
+        rates: dict[str, list[float]] = {SERVICE: [], BASELINE: []}
+        notes: list[str] = []
+        for round_ in range(1, options.rounds + 1):
+            desc = f"throughput, {workers} workers #{round_}"
+            phase = _cycle_phase(db, BOTH, workers, options, desc)
+            for api in rates:
+                rates[api].append(phase.rate(api=api))
+            notes += _notes(phase)
+        figures.append(
+            Figure(
+                "throughput",
+                f"claim+finish, {workers} workers",
+                mean(rates[SERVICE]),
+                mean(rates[BASELINE]),
+                "cycles/s",
+                bar=0.95,
+                notes=notes,
+            )
+        )
+    return figures
+
+
+def batch(db: common.BenchDb, options: Options) -> list[Figure]:
+    """Batch claim of ``BATCH`` + one batch finish against today's single claim +
+    finish, both through the service, taking turns in one window."""
     workers = options.workers or 8
     rates: dict[str, list[float]] = {SERVICE: [], BASELINE: []}
     notes: list[str] = []
     for round_ in range(1, options.rounds + 1):
-        phase = _cycle_phase(db, BOTH, workers, options, f"throughput #{round_}")
+        with db.connect() as conn:
+            common.truncate_deliveries(conn)
+            tenant = common.create_tenant(conn, "batch")
+            # The batch side settles up to BATCH deliveries per unit of work.
+            common.seed_deliveries(
+                conn, tenant, _pending_rows(options) * BATCH // 2, state=common.PENDING
+            )
+            common.vacuum(conn)
+        specs = [Spec("batch", BOTH, i, db, tenant, step_size=BATCH) for i in range(workers)]
+        phase = run_phase(
+            specs, seconds=options.seconds, warmup=options.warmup, desc=f"batch #{round_}"
+        )
         for api in rates:
             rates[api].append(phase.rate(api=api))
         notes += _notes(phase)
     return [
         Figure(
-            "throughput",
-            f"claim+finish, {workers} workers",
+            "batch",
+            f"batch claim of {BATCH} + batch finish vs single claim+finish, {workers} workers",
             mean(rates[SERVICE]),
             mean(rates[BASELINE]),
-            "cycles/s",
-            bar=0.8,
+            "deliveries/s",
+            bar=3.0,
             notes=notes,
         )
     ]
@@ -149,10 +199,41 @@ def producer(db: common.BenchDb, options: Options) -> list[Figure]:
                 mean(rates[SERVICE]),
                 mean(rates[BASELINE]),
                 "deliveries/s",
-                bar=0.7,
+                bar=0.95 if size == 10 else None,
             )
         )
     return figures
+
+
+def bare(db: common.BenchDb, options: Options) -> list[Figure]:
+    """The producer's 100-target steps against inserting the same rows, one
+    transaction per step, into a table with the same columns and no rule at all."""
+    workers = options.workers or 8
+    rates: dict[str, list[float]] = {SERVICE: [], BASELINE: []}
+    for round_ in range(1, options.rounds + 1):
+        with db.connect() as conn:
+            common.truncate_deliveries(conn)
+            conn.execute(CREATE_BARE_TABLE)
+            conn.execute(f"TRUNCATE {BARE_TABLE}")
+            tenant = common.create_tenant(conn, "bare")
+        specs = [
+            Spec("bare", BOTH, i, db, tenant, step_size=BARE_STEP, label=f"b{round_}")
+            for i in range(workers)
+        ]
+        desc = f"producer {BARE_STEP}-target vs bare table #{round_}"
+        phase = run_phase(specs, seconds=options.seconds, warmup=options.warmup, desc=desc)
+        for api in rates:
+            rates[api].append(phase.rate(api=api))
+    return [
+        Figure(
+            "bare",
+            f"producer, {BARE_STEP}-target steps vs a bare-table insert, {workers} workers",
+            mean(rates[SERVICE]),
+            mean(rates[BASELINE]),
+            "deliveries/s",
+            bar=0.2,
+        )
+    ]
 
 
 def history(db: common.BenchDb, options: Options) -> list[Figure]:
@@ -171,7 +252,7 @@ def history(db: common.BenchDb, options: Options) -> list[Figure]:
             full.rate(),
             mean([before.rate(), after.rate()]),
             "cycles/s",
-            bar=0.9,
+            bar=0.95,
             notes=_notes(before) + _notes(full) + _notes(after),
         )
     ]
@@ -248,7 +329,7 @@ def reap(db: common.BenchDb, options: Options) -> list[Figure]:
             phase.rate("reap"),
             phase.rate("quiet"),
             "cycles/s",
-            bar=0.7,
+            bar=0.85,
             notes=notes,
         ),
         Figure("reap", f"reap of {expired:,} expired leases, total", end - start, None, "s"),
@@ -462,7 +543,9 @@ def latency(db: common.BenchDb, options: Options) -> list[Figure]:
 
 BENCHMARKS: dict[str, Callable[[common.BenchDb, Options], list[Figure]]] = {
     "throughput": throughput,
+    "batch": batch,
     "producer": producer,
+    "bare": bare,
     "history": history,
     "isolation": isolation,
     "reap": reap,

@@ -73,7 +73,9 @@ BASELINE_INSERT = (
 
 @dataclass
 class Spec:
-    """What one worker does. ``kind`` is ``cycle`` (claim → finish) or ``produce``."""
+    """What one worker does. ``kind`` is ``cycle`` (claim → finish), ``produce``,
+    ``batch`` (batch claim of ``step_size`` + batch finish vs single cycles) or ``bare``
+    (the producer vs inserts into a table without rules)."""
 
     kind: str
     api: str
@@ -99,6 +101,9 @@ Unit = Callable[[int], tuple[int, float, float] | None]
 
 
 def _targets(spec: Spec, n: int) -> list[bytes]:
+    if spec.step_size > common.TARGETS:
+        # More targets than the benchmark's 64 keys: each step names its own.
+        return [j.to_bytes(32, "big") for j in range(spec.step_size)]
     base = spec.index * 8 + n * spec.step_size
     return [common.target_key(base + j) for j in range(spec.step_size)]
 
@@ -182,6 +187,74 @@ def _service_produce(spec: Spec) -> tuple[Unit, Callable[[], None]]:
     return unit, connections.close_all
 
 
+def _service_batch(spec: Spec) -> tuple[Unit, Callable[[], None]]:
+    """Batch claim of ``step_size`` and one batch finish; a unit counts the deliveries."""
+    spec.db.setup_django()
+    from django.db import connections
+
+    from workflow_delivery import services
+    from workflow_delivery.protocol import Outcome, Settled
+
+    community = spec.tenant.community_id
+
+    def unit(n: int) -> tuple[int, float, float] | None:
+        target = common.target_key(spec.index * 8 + n)
+        started = time.perf_counter()
+        claimed = services.claim_deliveries(
+            community, target, limit=spec.step_size, lease_seconds=LEASE_SECONDS
+        )
+        claimed_at = time.perf_counter()
+        if not claimed:
+            return None
+        results = services.finish_deliveries([(lease, Outcome.FINISHED) for lease, _ in claimed])
+        finished_at = time.perf_counter()
+        settled = sum(isinstance(result, Settled) for result in results)
+        return settled, claimed_at - started, finished_at - claimed_at
+
+    return unit, connections.close_all
+
+
+def _service_single(spec: Spec) -> tuple[Unit, Callable[[], None]]:
+    """Today's single claim + finish through the service, as the batch's baseline."""
+    return _service_cycle(spec)
+
+
+# A table of the delivery's columns and nothing else: no key, index, check, foreign
+# key or trigger. What an insert of the same rows costs without any rule.
+BARE_TABLE = "bench_bare_deliveries"
+CREATE_BARE_TABLE = (
+    f"CREATE TABLE IF NOT EXISTS {BARE_TABLE} (LIKE workflow_agent_deliveries INCLUDING DEFAULTS)"
+)
+BARE_INSERT = (
+    f"INSERT INTO {BARE_TABLE} (id, community_id, workflow_id, run_id, step_id, "
+    "target_pubkey, definition_event_id, message_event_id, message_event_created_at, "
+    "cause_kind, cause_event_id) VALUES {rows}"
+)
+
+
+def _bare_produce(spec: Spec) -> tuple[Unit, Callable[[], None]]:
+    conn = spec.db.connect()
+    cursor = conn.cursor()
+    t = spec.tenant
+    statement = BARE_INSERT.format(rows=", ".join([_INSERT_ROW] * spec.step_size))
+
+    def unit(n: int) -> tuple[int, float, float]:
+        step_id = f"{spec.label}-{spec.index}-{n}"
+        started = time.perf_counter()
+        params: list[Any] = []
+        for target in _targets(spec, n):
+            params += [
+                uuid.uuid4(), t.community_id, t.workflow_id, t.run_id, step_id, target,
+                t.definition_id, t.message_id, t.message_created_at, t.cause_id,
+            ]  # fmt: skip
+        # One transaction per step, like the producer it is compared with.
+        with conn.transaction():
+            cursor.execute(statement, params, prepare=True)
+        return spec.step_size, time.perf_counter() - started, 0.0
+
+    return unit, conn.close
+
+
 def _baseline_produce(spec: Spec) -> tuple[Unit, Callable[[], None]]:
     conn = spec.db.connect()
     cursor = conn.cursor()
@@ -244,6 +317,12 @@ _LOOPS = {
     ("produce-notify", BASELINE): _notify_produce(False),
     ("produce-notify-tx", SERVICE): _notify_produce(True, in_transaction=True),
     ("produce-notify-tx", BASELINE): _notify_produce(False),
+    # Batch claim + batch finish ("service") against today's single cycle ("baseline").
+    ("batch", SERVICE): _service_batch,
+    ("batch", BASELINE): _service_single,
+    # The producer ("service") against a bare table's insert of the same rows.
+    ("bare", SERVICE): _service_produce,
+    ("bare", BASELINE): _bare_produce,
 }
 
 
@@ -275,6 +354,7 @@ def worker_main(spec: Spec, barrier: Any, stop: Any, mode: Any, results: Any) ->
             samples.apis.append(code)
             if spec.kind == "cycle" and units != 1:
                 samples.anomalies += 1
+
     except BaseException:  # noqa: BLE001 - any failure is reported to the parent as text
         barrier.abort()
         results.put((spec.index, traceback.format_exc()))

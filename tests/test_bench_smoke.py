@@ -18,7 +18,15 @@ ROOT = Path(__file__).resolve().parent.parent
 @pytest.mark.slow
 def test_harness_runs_and_drops_its_database(db, tmp_path: Path) -> None:
     report = tmp_path / "bench.json"
-    command = [sys.executable, str(ROOT / "bench" / "run.py"), "throughput", "reap", "reap_cliff"]
+    command = [
+        sys.executable,
+        str(ROOT / "bench" / "run.py"),
+        "throughput",
+        "reap",
+        "batch",
+        "bare",
+        "reap_cliff",
+    ]
     command += ["--seconds", "0.3", "--warmup", "0", "--workers", "1", "--rounds", "1"]
     command += ["--rows", "200", "--json", str(report)]
     proc = subprocess.Popen(
@@ -31,6 +39,7 @@ def test_harness_runs_and_drops_its_database(db, tmp_path: Path) -> None:
     names = {(f["benchmark"], f["name"].split(",")[0]) for f in results["figures"]}
     assert ("throughput", "claim+finish") in names
     assert any(benchmark == "reap" for benchmark, _ in names)
+    assert {"batch", "bare"} <= {benchmark for benchmark, _ in names}
     assert b"throughput" in out
     assert results["postgres"]["version"].startswith("PostgreSQL")
 

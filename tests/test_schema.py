@@ -176,7 +176,22 @@ def test_same_target_in_another_step_is_accepted(step, raw):
 def test_reference_to_another_communitys_workflow_is_refused(step, raw):
     other = factories.Step()
     row = valid_row(step, workflow_id=other.workflow.id)
-    assert violation(raw, row) in {"wd_delivery_workflow_fk", "wd_delivery_run_fk"}
+    assert violation(raw, row) == "wd_delivery_run_fk"
+
+
+def test_a_workflow_that_is_not_the_runs_workflow_is_refused(step, raw):
+    """The run's key carries the workflow: no key of the workflow's own is needed."""
+    sibling = factories.workflow(step.community)
+    assert violation(raw, valid_row(step, workflow_id=sibling.id)) == "wd_delivery_run_fk"
+
+
+def test_a_community_that_does_not_exist_is_refused(step, raw):
+    row = valid_row(step, community_id=uuid.uuid4())
+    assert violation(raw, row) in {"wd_delivery_run_fk", "wd_delivery_message_event_fk"}
+
+
+def test_a_workflow_that_does_not_exist_is_refused(step, raw):
+    assert violation(raw, valid_row(step, workflow_id=uuid.uuid4())) == "wd_delivery_run_fk"
 
 
 def test_reference_to_another_communitys_run_is_refused(step, raw):
@@ -342,8 +357,6 @@ NAMED_CONSTRAINTS = {
     "workflow_agent_deliveries": {
         "wd_delivery_tenant_key",
         "wd_delivery_identity_key",
-        "wd_delivery_community_fk",
-        "wd_delivery_workflow_fk",
         "wd_delivery_run_fk",
         "wd_delivery_message_event_fk",
         "wd_delivery_step_id_valid",
@@ -375,8 +388,9 @@ def test_foreign_keys_have_their_on_delete_rules(db, raw):
         """
     )
     rules = {name: (action, width) for name, action, width in raw.fetchall()}
-    assert rules["wd_delivery_community_fk"] == ("r", 1)
-    assert rules["wd_delivery_workflow_fk"] == ("c", 2)
+    # The community and the workflow are held by the run's key (migration 0009).
+    assert "wd_delivery_workflow_fk" not in rules
+    assert "wd_delivery_community_fk" not in rules
     assert rules["wd_delivery_run_fk"] == ("c", 3)
     assert rules["wd_delivery_message_event_fk"] == ("c", 3)
     assert rules["wd_run_workflow_fk"] == ("c", 2)

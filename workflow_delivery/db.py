@@ -7,26 +7,26 @@ PostgreSQL and how its answer comes back.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager, nullcontext
+from collections.abc import Sequence
 from datetime import UTC, datetime, timedelta
 from typing import Any
 from uuid import UUID
 
-from django.db import connections, transaction
+from django.db import DatabaseError, connections, transaction
 from django.db.models.expressions import RawSQL
 
 from . import sql
 from .conf import app_settings
 from .models import WorkflowAgentDelivery
 from .protocol import (
-    CauseKind,
     DeliveryBinding,
     DeliveryRecord,
-    DeliveryStatus,
     EventCause,
     ScheduleCause,
     WebhookCause,
+    stored_binding,
+    stored_cause,
+    stored_status,
 )
 
 try:
@@ -40,6 +40,8 @@ if psycopg is not None:
 
     class _PreparedCursor(psycopg.Cursor):
         """Server-side binding, binary results; each statement prepared once per connection."""
+
+        lent = False
 
         def execute(self, query, params=None, **kwargs):  # type: ignore[override]
             return super().execute(query, params, prepare=True, binary=True)
@@ -59,8 +61,132 @@ def _sync_timeline(wrapper: Any, raw: Any) -> None:
     wrapper._wd_timeline = (id(raw), wanted)
 
 
-@contextmanager
-def cursor(using: str, *, savepoint: bool = True) -> Iterator[Any]:
+# Where a connection keeps the prepared cursor its statements reuse.
+_REUSED = "_workflow_delivery_cursor"
+
+
+def _map_error(exc: BaseException) -> None:
+    """Raise the domain error for a Django database error ``exc`` (the rules of
+    ``sql.database_errors``); return if there is none, so the caller re-raises."""
+    mapping = sql.database_errors()
+    mapping.__enter__()
+    mapping.__exit__(type(exc), exc, exc.__traceback__)
+
+
+class _Scope:
+    """One use of the app's cursor: its savepoint, Django's checks, the cursor itself,
+    and the translation of database errors, entered and left without the nested
+    context managers a statement would otherwise pay for twice over."""
+
+    __slots__ = ("_atomic", "_cursor", "_django", "_reused", "_savepoint", "_using", "_wrapper")
+
+    def __init__(self, using: str, savepoint: bool) -> None:
+        self._using = using
+        self._savepoint = savepoint
+
+    def __enter__(self) -> Any:
+        wrapper = self._wrapper = connections[self._using]
+        self._atomic = None
+        if self._savepoint and wrapper.in_atomic_block:
+            # Each statement is atomic on its own in autocommit; inside a caller's
+            # transaction a savepoint keeps a refused statement from aborting the
+            # caller's work.
+            self._atomic = transaction.atomic(using=self._using)
+            self._atomic.__enter__()
+        try:
+            return self._open(wrapper)
+        except BaseException as exc:
+            self._leave_atomic(exc)
+            raise
+
+    def _open(self, wrapper: Any) -> Any:
+        # The checks Django's own cursor() makes before handing out a cursor (the
+        # health check runs once per request; ensure_connection also refuses to run
+        # inside an event loop).
+        if wrapper.health_check_enabled and not wrapper.health_check_done:
+            wrapper.close_if_health_check_failed()
+        wrapper.ensure_connection()
+        raw = wrapper.connection
+        _sync_timeline(wrapper, raw)
+        self._cursor = self._django = None
+        if not (
+            app_settings.PREPARED_STATEMENTS
+            and psycopg is not None
+            and isinstance(raw, psycopg.Connection)
+        ):
+            try:
+                self._django = wrapper.cursor()
+            except Exception as exc:
+                _map_error(exc)
+                raise
+            return self._django
+        # What Django's cursor checks on every execute: this thread may use the
+        # connection, and the caller's transaction is not already broken.
+        wrapper.validate_thread_sharing()
+        wrapper.validate_no_broken_transaction()
+        if raw.prepare_threshold is None:
+            # Django turns psycopg's preparation off; a threshold no query reaches
+            # turns it back on for statements asked to prepare, and only for those.
+            raw.prepare_threshold = _NEVER_BY_COUNT
+        # Creating and closing a psycopg cursor per statement costs more than the
+        # cursor's own work, so each connection lends out one. A fresh one (closed
+        # after) when that one is lent to an enclosing scope or Django lets threads
+        # share the connection: no two statements ever read each other's results.
+        reused = wrapper.__dict__.get(_REUSED)
+        if wrapper.allow_thread_sharing or (reused is not None and reused.lent):
+            self._reused = False
+            self._cursor = _PreparedCursor(raw)
+            return self._cursor
+        if reused is None or reused.connection is not raw or reused.closed:
+            # The first statement on this (possibly re-opened) connection.
+            reused = wrapper.__dict__[_REUSED] = _PreparedCursor(raw)
+        reused.lent = True
+        self._reused = True
+        self._cursor = reused
+        return reused
+
+    def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> bool:
+        final = exc
+        try:
+            self._release(exc_type, exc, tb)
+            if exc is not None and self._cursor is not None:
+                # psycopg's error as Django's (which also marks the connection for
+                # Django's end-of-request check), as Django's cursor would.
+                self._wrapper.wrap_database_errors.__exit__(exc_type, exc, tb)
+            if isinstance(exc, DatabaseError):
+                _map_error(exc)
+        except DatabaseError as translated:
+            final = translated
+            try:
+                _map_error(translated)
+            except BaseException as mapped:  # noqa: BLE001 - re-raised below
+                final = mapped
+        except BaseException as other:  # noqa: BLE001 - re-raised below
+            final = other
+        # The savepoint ends with the error the caller will see (rolled back) or none.
+        self._leave_atomic(final)
+        if final is not exc:
+            raise final
+        return False
+
+    def _release(self, exc_type: Any, exc: BaseException | None, tb: Any) -> None:
+        if self._django is not None:
+            self._django.__exit__(exc_type, exc, tb)
+        elif self._reused:
+            self._cursor.lent = False
+        else:
+            self._cursor.close()
+
+    def _leave_atomic(self, exc: BaseException | None) -> None:
+        if self._atomic is not None:
+            atomic, self._atomic = self._atomic, None
+            if exc is None:
+                atomic.__exit__(None, None, None)
+            else:
+                atomic.__exit__(type(exc), exc, exc.__traceback__)
+
+
+def cursor(using: str, *, savepoint: bool = True) -> _Scope:
     """A cursor for the app's own statements, with database errors made domain errors.
 
     With ``WORKFLOW_DELIVERY_PREPARED_STATEMENTS`` (the default) and psycopg 3, the
@@ -69,29 +195,7 @@ def cursor(using: str, *, savepoint: bool = True) -> Iterator[Any]:
     per call; they then do not appear in ``connection.queries``. Otherwise Django's
     cursor is used.
     """
-    wrapper = connections[using]
-    # Each statement is atomic on its own in autocommit; inside a caller's transaction
-    # a savepoint keeps a refused statement from aborting the caller's work.
-    scope = transaction.atomic(using=using) if savepoint and wrapper.in_atomic_block else None
-    with scope or nullcontext():
-        # The checks Django's own cursor() makes before handing out a cursor.
-        wrapper.close_if_health_check_failed()
-        wrapper.ensure_connection()
-        raw = wrapper.connection
-        _sync_timeline(wrapper, raw)
-        prepared = app_settings.PREPARED_STATEMENTS and psycopg is not None
-        if not prepared or not isinstance(raw, psycopg.Connection):
-            with sql.database_errors(), wrapper.cursor() as cursor:
-                yield cursor
-            return
-        wrapper.validate_thread_sharing()
-        wrapper.validate_no_broken_transaction()
-        if raw.prepare_threshold is None:
-            # Django turns psycopg's preparation off; a threshold no query reaches
-            # turns it back on for statements asked to prepare, and only for those.
-            raw.prepare_threshold = _NEVER_BY_COUNT
-        with sql.database_errors(), wrapper.wrap_database_errors, _PreparedCursor(raw) as c:
-            yield c
+    return _Scope(using, savepoint)
 
 
 def cause_columns(binding: DeliveryBinding) -> list[object]:
@@ -104,15 +208,9 @@ def cause_columns(binding: DeliveryBinding) -> list[object]:
     ]
 
 
-def _cause(kind: str, event_id: bytes | None, scheduled_for, invocation_id):
-    if kind == CauseKind.EVENT:
-        return EventCause(bytes(event_id))
-    if kind == CauseKind.SCHEDULE:
-        return ScheduleCause(scheduled_for)
-    return WebhookCause(invocation_id)
-
-
 def record(row: Sequence) -> DeliveryRecord:
+    """The record of a row read back from the table. Its fields are taken as stored,
+    not re-validated one by one: the table's own rules already hold them."""
     (
         id_,
         community_id,
@@ -134,26 +232,26 @@ def record(row: Sequence) -> DeliveryRecord:
         finished_at,
         created_at,
     ) = row
-    binding = DeliveryBinding(
-        community_id=community_id,
-        workflow_id=workflow_id,
-        run_id=run_id,
-        step_id=step_id,
-        target_pubkey=bytes(target_pubkey),
-        definition_event_id=bytes(definition_event_id),
-        message_event_id=bytes(message_event_id),
-        cause=_cause(cause_kind, cause_event_id, cause_scheduled_for, cause_webhook_invocation_id),
+    binding = stored_binding(
+        community_id,
+        workflow_id,
+        run_id,
+        step_id,
+        target_pubkey,
+        definition_event_id,
+        message_event_id,
+        stored_cause(cause_kind, cause_event_id, cause_scheduled_for, cause_webhook_invocation_id),
     )
     return DeliveryRecord(
-        id=id_,
-        binding=binding,
-        status=DeliveryStatus(status),
-        lease_generation=lease_generation,
-        lease_until=lease_until,
-        claimed_at=claimed_at,
-        finished_at=finished_at,
-        created_at=created_at,
-        message_event_created_at=message_event_created_at,
+        id_,
+        binding,
+        stored_status(status),
+        lease_generation,
+        lease_until,
+        claimed_at,
+        finished_at,
+        created_at,
+        message_event_created_at,
     )
 
 

@@ -338,7 +338,6 @@ class WorkflowAgentDelivery(models.Model):
                 condition=Q(status=CLAIMED),
                 name="wd_delivery_reap_community_idx",
             ),
-            models.Index(fields=["community", "workflow"], name="wd_delivery_workflow_idx"),
             models.Index(
                 fields=["community", "message_event_created_at", "message_event"],
                 name="wd_delivery_message_idx",

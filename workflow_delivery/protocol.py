@@ -410,6 +410,63 @@ class WakeHint:
         return [["p", self.target_pubkey.hex()], ["delivery", str(self.delivery_id)]]
 
 
+def _trusted(cls: type, **fields: object) -> object:
+    """An instance of the frozen dataclass ``cls`` with ``fields`` taken as they are."""
+    instance = object.__new__(cls)
+    for name, value in fields.items():
+        object.__setattr__(instance, name, value)
+    return instance
+
+
+_STATUSES = {status.value: status for status in DeliveryStatus}
+
+
+def stored_cause(
+    kind: str, event_id: bytes | None, scheduled_for: datetime | None, invocation_id: UUID | None
+) -> Cause:
+    """The cause of a row read back from the delivery table, not re-validated: the
+    table's CHECK constraints hold exactly one identity of the right shape. Never for
+    data coming in."""
+    if kind == CauseKind.EVENT:
+        return _trusted(EventCause, event_id=bytes(event_id))
+    if kind == CauseKind.SCHEDULE:
+        # The database hands the instant back in the connection's time zone; a
+        # constructed cause holds it in UTC.
+        return _trusted(ScheduleCause, scheduled_for=scheduled_for.astimezone(UTC))
+    return _trusted(WebhookCause, invocation_id=invocation_id)
+
+
+def stored_binding(
+    community_id: UUID,
+    workflow_id: UUID,
+    run_id: UUID,
+    step_id: str,
+    target_pubkey: bytes,
+    definition_event_id: bytes,
+    message_event_id: bytes,
+    cause: Cause,
+) -> DeliveryBinding:
+    """The binding of a row read back from the delivery table, not re-validated: the
+    table's types, CHECK constraints and foreign keys already hold every rule that
+    ``DeliveryBinding`` checks. Never for data coming in."""
+    return _trusted(
+        DeliveryBinding,
+        community_id=community_id,
+        workflow_id=workflow_id,
+        run_id=run_id,
+        step_id=step_id,
+        target_pubkey=bytes(target_pubkey),
+        definition_event_id=bytes(definition_event_id),
+        message_event_id=bytes(message_event_id),
+        cause=cause,
+    )
+
+
+def stored_status(value: str) -> DeliveryStatus:
+    """A status read back from the table (its CHECK allows only the four)."""
+    return _STATUSES[value]
+
+
 def as_uuid(field: str, value: object) -> UUID:
     """Validate an id for the service layer: a ``UUID`` or its canonical string."""
     return _uuid(field, value)

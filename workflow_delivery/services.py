@@ -57,13 +57,16 @@ from .wakeups import WAKE_CHANNEL, format_wake
 logger = logging.getLogger(__name__)
 
 __all__ = [
+    "MAX_BATCH_SIZE",
     "Held",
     "StepIdentity",
+    "claim_deliveries",
     "claim_delivery",
     "commit_deliveries",
     "count_prunable",
     "delivery_identity",
     "fail_deliveries",
+    "finish_deliveries",
     "finish_delivery",
     "get_delivery",
     "holding",
@@ -77,6 +80,11 @@ __all__ = [
     "release_lease",
     "renew_delivery",
 ]
+
+
+# The most leases one claim_deliveries or finish_deliveries call handles: a bound on
+# the row locks one statement takes and on the size of its array parameters.
+MAX_BATCH_SIZE = 1000
 
 
 def _lease_seconds(value: object) -> int:
@@ -384,10 +392,7 @@ def finish_delivery(
     """Settle the delivery once. A retry by the same capability after a settle
     reports the recorded status; anyone else gets LeaseLost."""
     params = _lease_params(lease)
-    try:
-        outcome = Outcome(outcome)
-    except ValueError:
-        raise ProtocolError("outcome", f"must be finished or failed, not {outcome!r}") from None
+    outcome = _outcome(outcome)
     with db.cursor(using) as cursor:
         cursor.execute(sql.FINISH, [outcome.value, *params])
         if cursor.fetchone() is not None:
@@ -588,6 +593,104 @@ def reap_deliveries(
     counters.REAPED.labels("reclaimed").inc(reclaimed)
     counters.REAPED.labels("attempts_exhausted").inc(exhausted)
     return Reaped(reclaimed=reclaimed, exhausted=exhausted)
+
+
+def claim_deliveries(
+    community_id: UUID | str,
+    target_pubkey: bytes,
+    *,
+    limit: int,
+    lease_seconds: int | None = None,
+    using: str = DEFAULT_DB_ALIAS,
+) -> list[tuple[Lease, DeliveryRecord]]:
+    """Claim up to ``limit`` (1 to ``MAX_BATCH_SIZE``) of the target's oldest pending
+    deliveries in the community, each under its own lease; oldest first, [] on a miss."""
+    community_id = as_uuid("community_id", community_id)
+    target_pubkey = as_bytes32("target_pubkey", target_pubkey)
+    if not is_whole_number(limit) or not 1 <= limit <= MAX_BATCH_SIZE:
+        raise ProtocolError(
+            "limit", f"must be a whole number from 1 to {MAX_BATCH_SIZE}, not {limit!r}"
+        )
+    seconds = _lease_seconds(lease_seconds)
+    # One statement: the locking SELECT and the UPDATE share its transaction, so the
+    # row locks last exactly as long as needed (or the caller's transaction).
+    with db.cursor(using) as cursor:
+        cursor.execute(sql.CLAIM_BATCH, [community_id, target_pubkey, limit, seconds])
+        records = [db.record(row) for row in cursor.fetchall()]
+    # UPDATE … RETURNING has no order of its own; hand the rows out as picked.
+    records.sort(key=lambda record: (record.created_at, record.id))
+    return [
+        (
+            Lease(
+                community_id=community_id,
+                delivery_id=record.id,
+                target_pubkey=target_pubkey,
+                generation=record.lease_generation,
+                lease_until=record.lease_until,
+            ),
+            record,
+        )
+        for record in records
+    ]
+
+
+def _outcome(value: object) -> Outcome:
+    try:
+        return Outcome(value)
+    except ValueError:
+        raise ProtocolError("outcome", f"must be finished or failed, not {value!r}") from None
+
+
+def finish_deliveries(
+    settlements: Iterable[tuple[Lease, Outcome | str]], *, using: str = DEFAULT_DB_ALIAS
+) -> list[Settled | AlreadyTerminal | LeaseLost]:
+    """Settle many leases in one statement; one result per input pair, in input order,
+    each what ``finish_delivery`` would have returned for that pair called in turn.
+
+    A capability repeated in the input is settled once, by its first occurrence (and
+    its outcome); a later repeat reports the recorded status, as a retry would."""
+    if isinstance(settlements, str | bytes) or not isinstance(settlements, Iterable):
+        raise ProtocolError("settlements", "must be a list of (lease, outcome) pairs")
+    pairs = list(settlements)
+    if len(pairs) > MAX_BATCH_SIZE:
+        raise ProtocolError(
+            "settlements", f"at most {MAX_BATCH_SIZE} leases per call, not {len(pairs)}"
+        )
+    first_of: dict[tuple, int] = {}
+    slots: list[int] = []
+    columns: list[list[object]] = [[], [], [], [], []]
+    for pair in pairs:
+        if not isinstance(pair, tuple) or len(pair) != 2:
+            raise ProtocolError("settlements", "each item must be a (lease, outcome) pair")
+        params = _lease_params(pair[0])
+        outcome = _outcome(pair[1])
+        key = tuple(params)
+        if key not in first_of:
+            first_of[key] = len(columns[0])
+            for column, value in zip(columns, [*params, outcome.value], strict=True):
+                column.append(value)
+        slots.append(first_of[key])
+    if not pairs:
+        return []
+    with db.cursor(using) as cursor:
+        cursor.execute(sql.FINISH_BATCH, columns)
+        rows = cursor.fetchall()
+    distinct: list[Settled | AlreadyTerminal | LeaseLost] = [LeaseLost()] * len(columns[0])
+    for n, settled, status in rows:
+        if settled:
+            distinct[n - 1] = Settled(outcome=Outcome(columns[4][n - 1]))
+        elif status is not None and DeliveryStatus(status).is_terminal:
+            distinct[n - 1] = AlreadyTerminal(status=DeliveryStatus(status))
+    results: list[Settled | AlreadyTerminal | LeaseLost] = []
+    reported: set[int] = set()
+    for slot in slots:
+        result = distinct[slot]
+        if slot in reported and isinstance(result, Settled):
+            # The repeat of a capability that just settled: what a retry would see.
+            result = AlreadyTerminal(status=DeliveryStatus(result.outcome.value))
+        reported.add(slot)
+        results.append(result)
+    return results
 
 
 def reap_expired_deliveries(

@@ -169,6 +169,58 @@ RETURNING {_RETURNING}
 """
 
 
+# Batch claim: up to a limit of the target's oldest pending rows in one statement,
+# each with its own (incremented) generation. ``statement_timestamp()``: inside a
+# caller's long transaction the lease starts when the claim runs, not when the
+# transaction began. The literal 'pending' lets a generic plan use the claim index.
+CLAIM_BATCH = f"""
+WITH picked AS (
+    SELECT id FROM {DELIVERIES}
+     WHERE community_id = %s AND target_pubkey = %s AND status = 'pending'
+     ORDER BY created_at, id
+     LIMIT %s
+     FOR UPDATE SKIP LOCKED
+)
+UPDATE {DELIVERIES} AS d
+   SET status = 'claimed',
+       lease_generation = d.lease_generation + 1,
+       claimed_at = statement_timestamp(),
+       lease_until = statement_timestamp() + make_interval(secs => %s)
+  FROM picked
+ WHERE d.id = picked.id
+RETURNING {_RETURNING}
+"""
+
+# Batch finish: the leases arrive as parallel arrays (community, id, target,
+# generation, outcome), one element per distinct capability. Each row settles under
+# the same four conditions as FINISH. For a capability that settled nothing, the
+# row as that capability sees it is read with FOR SHARE: a locking read follows a
+# concurrent update to its latest committed version (as FINISH's follow-up statement
+# sees it), where the statement's snapshot would show the row as it was before.
+FINISH_BATCH = f"""
+WITH leases AS (
+    SELECT * FROM unnest(%s::uuid[], %s::uuid[], %s::bytea[], %s::bigint[], %s::text[])
+           WITH ORDINALITY AS l (community_id, id, target_pubkey, lease_generation, outcome, n)
+),
+settled AS (
+    UPDATE {DELIVERIES} AS d
+       SET status = l.outcome,
+           finished_at = statement_timestamp(), lease_until = NULL, claimed_at = NULL
+      FROM leases AS l
+     WHERE d.community_id = l.community_id AND d.id = l.id
+       AND d.target_pubkey = l.target_pubkey AND d.lease_generation = l.lease_generation
+       AND d.status = 'claimed' AND d.lease_until >= statement_timestamp()
+    RETURNING l.n
+)
+SELECT l.n, s.n IS NOT NULL,
+       (SELECT c.status FROM {DELIVERIES} AS c
+         WHERE s.n IS NULL
+           AND c.community_id = l.community_id AND c.id = l.id
+           AND c.target_pubkey = l.target_pubkey AND c.lease_generation = l.lease_generation
+           FOR SHARE)
+  FROM leases AS l LEFT JOIN settled AS s ON s.n = l.n
+"""
+
 # Back to pending with the fence bumped, so the holder's lease is dead (reap, release).
 _BACK_TO_PENDING = (
     "status = 'pending', lease_generation = d.lease_generation + 1, "
@@ -483,8 +535,8 @@ def purge_statement(table: str) -> str:
 
 
 _REFERENCE_CONSTRAINTS = {
-    "wd_delivery_community_fk": "community",
-    "wd_delivery_workflow_fk": "workflow",
+    # (No key of its own for the community or the workflow: the run's key holds
+    # both, migration 0009.)
     "wd_delivery_run_fk": "run (of that workflow)",
     "wd_delivery_message_event_fk": "message event (at that created_at)",
 }

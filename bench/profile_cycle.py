@@ -1,0 +1,109 @@
+"""Profile the client side of the claim → finish loop in one process (cProfile), beside
+the hand-written psycopg loop of the benchmarks, on a private database.
+
+    .venv/bin/python bench/profile_cycle.py --cycles 2000 --top 25
+
+Prints the client CPU per cycle of both loops and the service loop's hottest
+functions; where the service spends more than the baseline is what a change to the
+client path can win.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import pstats
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench import common
+from bench.workers import BASELINE_CLAIM, BASELINE_FINISH, LEASE_SECONDS
+
+
+def _arguments(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--cycles", type=int, default=2000, help="cycles per loop")
+    parser.add_argument("--top", type=int, default=25, help="functions to list")
+    parser.add_argument("--batch", type=int, default=0, help="also profile batches of N")
+    args = parser.parse_args(argv)
+    if args.cycles < 1 or args.top < 1 or args.batch < 0:
+        parser.error("--cycles and --top must be positive, --batch at least 0")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _arguments(argv)
+    with common.bench_database("buzz_profile", quiet=True) as db:
+        from workflow_delivery import services
+        from workflow_delivery.protocol import Outcome
+
+        with db.connect() as conn:
+            tenant = common.create_tenant(conn, "profile")
+            common.seed_deliveries(
+                conn, tenant, (3 + 2 * args.batch) * (args.cycles + 100) + 1000, progress=False
+            )
+            common.vacuum(conn)
+        community = tenant.community_id
+
+        def service(n: int) -> None:
+            lease, _ = services.claim_delivery(
+                community, common.target_key(n), lease_seconds=LEASE_SECONDS
+            )
+            services.finish_delivery(lease, Outcome.FINISHED)
+
+        raw = db.connect()
+        cursor = raw.cursor()
+
+        def baseline(n: int) -> None:
+            target = common.target_key(n)
+            cursor.execute(BASELINE_CLAIM, [community, target, LEASE_SECONDS], prepare=True)
+            row = cursor.fetchone()
+            cursor.execute(BASELINE_FINISH, [community, row[0], target, row[14]], prepare=True)
+            cursor.fetchone()
+
+        def cpu_per_cycle(loop, count: int) -> float:
+            started = time.process_time()
+            for n in range(count):
+                loop(n)
+            return (time.process_time() - started) / count
+
+        loops = {"baseline": baseline, "service": service}
+        if args.batch:
+
+            def batch(n: int) -> None:
+                claimed = services.claim_deliveries(
+                    community, common.target_key(n), limit=args.batch
+                )
+                services.finish_deliveries([(lease, Outcome.FINISHED) for lease, _ in claimed])
+
+            loops[f"batch of {args.batch}, per delivery"] = batch
+        for loop in loops.values():  # warm: connections, prepared statements, caches
+            cpu_per_cycle(loop, 50)
+        # Short turns, many rounds, median: load from elsewhere on the machine then
+        # falls on every loop alike.
+        chunk = 100
+        samples: dict[str, list[float]] = {name: [] for name in loops}
+        for _ in range(max(1, args.cycles // chunk)):
+            for name, loop in loops.items():
+                per = cpu_per_cycle(loop, chunk)
+                samples[name].append(per / args.batch if name.startswith("batch") else per)
+        medians = {name: statistics.median(values) for name, values in samples.items()}
+        for name, value in medians.items():
+            ratio = value / medians["baseline"]
+            print(f"{name}: {value * 1e6:.0f} µs client CPU per cycle ({ratio:.2f} x baseline)")
+        profiler = cProfile.Profile(time.process_time)  # CPU, not time spent waiting
+        profiler.enable()
+        cpu_per_cycle(service, args.cycles)
+        profiler.disable()
+        print(f"\nservice loop, {args.cycles} cycles under cProfile:")
+        pstats.Stats(profiler).sort_stats("tottime").print_stats(args.top)
+        raw.close()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
