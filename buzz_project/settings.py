@@ -80,6 +80,7 @@ INSTALLED_APPS = [
     "django.contrib.messages",
     "django.contrib.staticfiles",
     "workflow_delivery",
+    "buzz_project.demo",
 ]
 
 MIDDLEWARE = [
@@ -140,6 +141,11 @@ LOGGING = {
     "handlers": {"console": {"class": "logging.StreamHandler", "formatter": "plain"}},
     "loggers": {
         "workflow_delivery": {
+            "handlers": ["console"],
+            "level": _read("WORKFLOW_DELIVERY_LOG_LEVEL", str, "INFO"),
+            "propagate": False,
+        },
+        "buzz_project": {
             "handlers": ["console"],
             "level": _read("WORKFLOW_DELIVERY_LOG_LEVEL", str, "INFO"),
             "propagate": False,
