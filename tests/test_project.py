@@ -122,3 +122,82 @@ def test_migrations_are_reversible():
 
 def test_no_model_change_lacks_a_migration(db):
     call_command("makemigrations", "workflow_delivery", check=True, dry_run=True, verbosity=0)
+
+
+@pytest.mark.parametrize(
+    ("name", "raw", "expected"),
+    [
+        ("WORKFLOW_DELIVERY_REAP_INTERVAL_SECONDS", "1e3", "1000.0"),
+        ("WORKFLOW_DELIVERY_REAP_INTERVAL_SECONDS", " 2.5 ", "2.5"),
+        ("WORKFLOW_DELIVERY_REAP_YIELD_RATIO", "3", "3.0"),
+        ("WORKFLOW_DELIVERY_REAP_BATCH_SIZE", "250", "250"),
+        ("WORKFLOW_DELIVERY_PREPARED_STATEMENTS", "off", "False"),
+    ],
+)
+def test_every_app_setting_is_read_from_the_environment_as_its_type(name, raw, expected):
+    script = f"from django.conf import settings; print(repr(settings.{name}))"
+    result = manage("shell", "-c", script, **{name: raw})
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip().splitlines()[-1] == expected
+
+
+def test_the_project_reads_every_setting_the_app_defines():
+    from django.conf import settings
+
+    from workflow_delivery.conf import DEFAULTS
+
+    script = "from django.conf import settings; print(settings.WORKFLOW_DELIVERY_{})"
+    for name, default in DEFAULTS.items():
+        assert getattr(settings, f"WORKFLOW_DELIVERY_{name}") == default
+    result = manage("shell", "-c", script.format("REAP_BATCH_SIZE"))
+    assert result.stdout.strip().splitlines()[-1] == str(DEFAULTS["REAP_BATCH_SIZE"])
+
+
+@pytest.mark.parametrize(
+    ("raw", "message"),
+    [
+        ("1e999", "must be a finite number"),
+        ("nan", "must be a number"),
+        ("inf", "must be a number"),
+        ("5s", "must be a number"),
+        ("0x10", "must be a number"),
+    ],
+)
+def test_a_malformed_number_names_its_variable(raw, message):
+    name = "WORKFLOW_DELIVERY_REAP_INTERVAL_SECONDS"
+    result = manage("check", **{name: raw})
+    assert result.returncode != 0
+    assert f"{name} {message}, got {raw!r}" in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
+
+
+def test_a_whole_number_setting_refuses_a_fraction():
+    result = manage("check", WORKFLOW_DELIVERY_REAP_BATCH_SIZE="2.5")
+    assert "WORKFLOW_DELIVERY_REAP_BATCH_SIZE must be a whole number, got '2.5'" in result.stderr
+
+
+def test_production_settings_pass_the_deploy_check():
+    production = {
+        "DEBUG": "false",
+        "SECRET_KEY": "k" + "".join(chr(33 + i % 90) for i in range(64)),
+        "ALLOWED_HOSTS": "deliveries.example",
+    }
+    result = manage("check", "--deploy", "--fail-level", "WARNING", **production)
+    assert result.returncode == 0, result.stderr
+    assert "no issues" in result.stdout
+
+
+def test_debug_is_off_unless_the_environment_turns_it_on():
+    # The project's own settings module (not the test run's), with DEBUG unset.
+    unset = {"DEBUG", "DJANGO_SETTINGS_MODULE"}
+    environment = {k: v for k, v in os.environ.items() if k not in unset}
+    result = subprocess.run(
+        [sys.executable, "manage.py", "check"],
+        cwd=ROOT,
+        env={**environment, "SECRET_KEY": ""},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode != 0
+    assert "SECRET_KEY must be set when DEBUG is false" in result.stderr
