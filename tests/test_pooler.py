@@ -1,0 +1,115 @@
+"""Behind PgBouncer in transaction pooling mode, which keeps no prepared statements per
+client: one client's statement must never run under another client's name."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+
+import pytest
+from django.db import connection, connections
+from django.db.backends.postgresql.base import DatabaseWrapper
+
+from tests import factories
+from tests.pgbouncer import pgbouncer
+from workflow_delivery import services
+from workflow_delivery.models import WorkflowAgentDelivery
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+@pytest.fixture
+def bouncer() -> Iterator[dict]:
+    # Two server connections: enough for two clients' statements to land apart.
+    with pgbouncer(connection.settings_dict, pool_size=2) as settings:
+        yield settings
+
+
+@pytest.fixture
+def through(bouncer: dict) -> Iterator:
+    """Open Django connections, by alias, that reach the server through PgBouncer."""
+    opened: list[str] = []
+
+    def open_alias(alias: str) -> DatabaseWrapper:
+        wrapper = DatabaseWrapper({**bouncer, "CONN_MAX_AGE": 0}, alias=alias)
+        connections[alias] = wrapper
+        opened.append(alias)
+        return wrapper
+
+    yield open_alias
+    for alias in opened:
+        connections[alias].close()
+        del connections[alias]
+
+
+class Pin:
+    """A client holding a transaction open, so PgBouncer keeps its server for it."""
+
+    def __init__(self, wrapper: DatabaseWrapper) -> None:
+        self.wrapper = wrapper
+        wrapper.set_autocommit(False)
+
+    def hold(self) -> int:
+        with self.wrapper.cursor() as cursor:
+            cursor.execute("SELECT pg_backend_pid()")
+            return cursor.fetchone()[0]
+
+    def let_go(self) -> None:
+        self.wrapper.commit()
+
+
+def claimed_delivery(step: factories.Step) -> uuid.UUID:
+    factories.committed(step)
+    lease, _ = services.claim_delivery(step.community.id, step.targets[0])
+    return lease.delivery_id
+
+
+def test_a_release_never_runs_another_clients_mark_failed(through):
+    step = factories.Step(targets=1)
+    delivery = claimed_delivery(step)
+    community = step.community.id
+    nothing = [uuid.uuid4()]
+    first, second = Pin(through("pin_1")), Pin(through("pin_2"))
+    through("client_a"), through("client_b")
+
+    # Both server connections held; PgBouncer then gives each client the one let go.
+    first_server, second_server = first.hold(), second.hold()
+    assert first_server != second_server
+    first.let_go()
+    # Client A's first statement of the app, "mark failed", on the first server.
+    assert services.fail_deliveries(community, nothing, using="client_a") == []
+    assert first.hold() == first_server
+    second.let_go()
+    # Client B's "release", on the second server.
+    assert services.release_deliveries(community, nothing, using="client_b") == []
+    assert second.hold() == second_server
+    first.let_go()
+    # Client B releases again, now on the first server, where A's statements live.
+    released = services.release_deliveries(community, [delivery], using="client_b")
+    second.let_go()
+
+    row = WorkflowAgentDelivery.objects.get(id=delivery)
+    assert (released, row.status) == ([delivery], "pending")
+
+
+def test_the_lifecycle_runs_through_the_pooler_with_statements_unprepared(through):
+    step = factories.Step(targets=1)
+    factories.committed(step)
+    through("client_a")
+    lease, _ = services.claim_delivery(step.community.id, step.targets[0], using="client_a")
+    assert services.renew_delivery(lease, lease_seconds=2, using="client_a").lease_until
+    settled = services.finish_delivery(lease, "finished", using="client_a")
+    assert settled.outcome.value == "finished"
+    with connections["client_a"].cursor() as cursor:
+        cursor.execute("SELECT count(*) FROM pg_prepared_statements")
+        assert cursor.fetchone()[0] == 0
+
+
+def test_a_pooler_is_seen_and_a_direct_connection_is_not(through):
+    from workflow_delivery import db
+
+    connection.ensure_connection()
+    assert db._behind_pooler(connection.connection, "default") is False
+    pooled = through("client_c")
+    pooled.ensure_connection()
+    assert db._behind_pooler(pooled.connection, "client_c") is True
