@@ -71,11 +71,39 @@ def test_e001_reports_a_database_that_is_not_postgresql(monkeypatch):
     monkeypatch.setattr(checks, "connections", sqlite)
     errors = checks.check_postgresql()
     assert [error.id for error in errors] == ["workflow_delivery.E001"]
-    assert errors[0].msg == checks.E001_MSG.format(alias="default", vendor="sqlite")
+    assert errors[0].msg == (
+        "workflow_delivery needs PostgreSQL 14 or newer: database 'default' uses the "
+        "'sqlite' backend."
+    )
 
 
 def test_e001_is_silent_on_postgresql():
     assert checks.check_postgresql() == []
+
+
+def test_e001_reports_a_server_older_than_the_oldest_tested(db, monkeypatch):
+    number = connection.pg_version
+    found = f"{number // 10000}.{number % 10000}"
+    # The real server, judged against a minimum above it.
+    monkeypatch.setattr(checks, "MINIMUM_POSTGRESQL", (number // 10000 + 1,))
+    errors = checks.check_postgresql()
+    assert [error.id for error in errors] == ["workflow_delivery.E001"]
+    assert errors[0].msg == (
+        f"workflow_delivery needs PostgreSQL {number // 10000 + 1} or newer: database "
+        f"'default' is PostgreSQL {found}."
+    )
+
+
+def test_an_old_server_fails_manage_py_check_in_one_line():
+    script = (
+        "from django.core.management import call_command; from workflow_delivery import checks; "
+        "checks.MINIMUM_POSTGRESQL = (99,); call_command('check')"
+    )
+    result = manage("shell", "-c", script)
+    assert result.returncode != 0
+    lines = [line for line in result.stderr.splitlines() if "workflow_delivery.E001" in line]
+    assert len(lines) == 1
+    assert "needs PostgreSQL 99 or newer: database 'default' is PostgreSQL" in lines[0]
 
 
 @override_settings(
