@@ -23,6 +23,19 @@ import pytest
 PGBOUNCER = shutil.which("pgbouncer") or "/usr/sbin/pgbouncer"
 
 
+def real_server(settings: dict[str, Any]) -> dict[str, Any]:
+    """The DATABASES entry of the PostgreSQL server itself.
+
+    The suite's own connection may already go through a pooler (the matrix's pgbouncer
+    cell); that cell names the server behind it in WD_TEST_SERVER (host:port).
+    """
+    behind = os.environ.get("WD_TEST_SERVER", "")
+    if not behind:
+        return dict(settings)
+    host, _, port = behind.rpartition(":")
+    return {**settings, "HOST": host, "PORT": port}
+
+
 def _free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
@@ -55,6 +68,7 @@ pidfile = {folder / "pgbouncer.pid"}
 @contextmanager
 def pgbouncer(server: dict[str, Any], *, pool_size: int) -> Iterator[dict[str, Any]]:
     """Yield a copy of ``server`` (a DATABASES entry) that connects through PgBouncer."""
+    server = real_server(server)
     if not os.access(PGBOUNCER, os.X_OK):
         pytest.fail(f"{PGBOUNCER} is missing: apt-get install pgbouncer (.ci/run does)")
     folder = Path(tempfile.mkdtemp(prefix="wd-pgbouncer-"))
@@ -62,7 +76,7 @@ def pgbouncer(server: dict[str, Any], *, pool_size: int) -> Iterator[dict[str, A
     user = server.get("USER") or "postgres"
     (folder / "users.txt").write_text(f'"{user}" ""\n')
     (folder / "pgbouncer.ini").write_text(_config(server, folder, port, pool_size))
-    command = [PGBOUNCER, str(folder / "pgbouncer.ini")]
+    command = [PGBOUNCER, "-q", str(folder / "pgbouncer.ini")]
     if os.geteuid() == 0:
         shutil.chown(folder, "postgres")
         folder.chmod(0o755)

@@ -11,7 +11,7 @@ from django.db import connection, connections
 from django.db.backends.postgresql.base import DatabaseWrapper
 
 from tests import factories
-from tests.pgbouncer import pgbouncer
+from tests.pgbouncer import pgbouncer, real_server
 from workflow_delivery import services
 from workflow_delivery.models import WorkflowAgentDelivery
 
@@ -105,11 +105,16 @@ def test_the_lifecycle_runs_through_the_pooler_with_statements_unprepared(throug
         assert cursor.fetchone()[0] == 0
 
 
+@pytest.mark.psycopg3
 def test_a_pooler_is_seen_and_a_direct_connection_is_not(through):
     from workflow_delivery import db
 
-    connection.ensure_connection()
-    assert db._behind_pooler(connection.connection, "default") is False
+    direct = DatabaseWrapper(real_server(connection.settings_dict), alias="direct")
+    try:
+        direct.ensure_connection()
+        assert db._behind_pooler(direct.connection, "direct") is False
+    finally:
+        direct.close()
     pooled = through("client_c")
     pooled.ensure_connection()
     assert db._behind_pooler(pooled.connection, "client_c") is True
