@@ -9,6 +9,7 @@ from collections.abc import Iterator
 import pytest
 from django.db import connection, connections
 from django.db.backends.postgresql.base import DatabaseWrapper
+from django.test import override_settings
 
 from tests import factories
 from tests.pgbouncer import pgbouncer, real_server
@@ -30,8 +31,10 @@ def through(bouncer: dict) -> Iterator:
     """Open Django connections, by alias, that reach the server through PgBouncer."""
     opened: list[str] = []
 
-    def open_alias(alias: str) -> DatabaseWrapper:
-        wrapper = DatabaseWrapper({**bouncer, "CONN_MAX_AGE": 0}, alias=alias)
+    def open_alias(alias: str, **options: object) -> DatabaseWrapper:
+        settings = {**bouncer, "CONN_MAX_AGE": 0}
+        settings["OPTIONS"] = {**settings.get("OPTIONS", {}), **options}
+        wrapper = DatabaseWrapper(settings, alias=alias)
         connections[alias] = wrapper
         opened.append(alias)
         return wrapper
@@ -64,14 +67,34 @@ def claimed_delivery(step: factories.Step) -> uuid.UUID:
     return lease.delivery_id
 
 
-def test_a_release_never_runs_another_clients_mark_failed(through):
+# The host may bind server-side with psycopg preparing every statement (threshold 0)
+# and turn the app's own preparing off: the app's statements still never run under a
+# prepared name.
+HOST_PREPARES = {"server_side_binding": True, "prepare_threshold": 0}
+SETTINGS = [
+    pytest.param({}, True, id="defaults"),
+    pytest.param(HOST_PREPARES, False, id="host-prepares-everything", marks=pytest.mark.psycopg3),
+]
+
+
+@pytest.mark.parametrize(("options", "app_prepares"), SETTINGS)
+def test_a_release_never_runs_another_clients_mark_failed(through, options, app_prepares):
     step = factories.Step(targets=1)
     delivery = claimed_delivery(step)
     community = step.community.id
     nothing = [uuid.uuid4()]
     first, second = Pin(through("pin_1")), Pin(through("pin_2"))
-    through("client_a"), through("client_b")
+    through("client_a", **options), through("client_b", **options)
+    with override_settings(WORKFLOW_DELIVERY_PREPARED_STATEMENTS=app_prepares):
+        released = release_under_anothers_name(first, second, community, delivery, nothing)
+    row = WorkflowAgentDelivery.objects.get(id=delivery)
+    assert (released, row.status) == ([delivery], "pending")
 
+
+def release_under_anothers_name(first: Pin, second: Pin, community, delivery, nothing) -> list:
+    """Client A marks failed on one server, client B releases on the other, then B
+    releases again on A's server: with shared prepared names that runs A's statement.
+    """
     # Both server connections held; PgBouncer then gives each client the one let go.
     first_server, second_server = first.hold(), second.hold()
     assert first_server != second_server
@@ -87,9 +110,7 @@ def test_a_release_never_runs_another_clients_mark_failed(through):
     # Client B releases again, now on the first server, where A's statements live.
     released = services.release_deliveries(community, [delivery], using="client_b")
     second.let_go()
-
-    row = WorkflowAgentDelivery.objects.get(id=delivery)
-    assert (released, row.status) == ([delivery], "pending")
+    return released
 
 
 def test_the_lifecycle_runs_through_the_pooler_with_statements_unprepared(through):

@@ -84,6 +84,12 @@ if psycopg is not None:
         def execute(self, query, params=None, **kwargs):  # type: ignore[override]
             return super().execute(query, params, prepare=True, binary=True)
 
+    class _UnpreparedCursor(psycopg.Cursor):
+        """The same statements, never prepared, whatever the connection's threshold."""
+
+        def execute(self, query, params=None, **kwargs):  # type: ignore[override]
+            return super().execute(query, params, prepare=False, binary=True)
+
 
 @contextmanager
 def cursor(using: str, *, savepoint: bool = True) -> Iterator[Any]:
@@ -108,16 +114,19 @@ def cursor(using: str, *, savepoint: bool = True) -> Iterator[Any]:
         # Django's cursor makes these checks too; here they come before the probe.
         wrapper.validate_thread_sharing()
         wrapper.validate_no_broken_transaction()
-        prepared = (
-            app_settings.PREPARED_STATEMENTS
-            and psycopg is not None
-            and isinstance(raw, psycopg.Connection)
-        )
-        if prepared:
-            # Whatever the setting says: never prepare behind a pooler.
+        native = psycopg is not None and isinstance(raw, psycopg.Connection)
+        pooled = False
+        # Ask about a pooler wherever anything may be prepared: the app's statements,
+        # or every statement once the host set psycopg's prepare_threshold.
+        if native and (app_settings.PREPARED_STATEMENTS or raw.prepare_threshold is not None):
             with wrapper.wrap_database_errors:
-                prepared = not _behind_pooler(raw, using)
-        if not prepared:
+                pooled = _behind_pooler(raw, using)
+        if pooled:
+            # Behind a pooler, whatever the settings: never under a prepared name.
+            with sql.database_errors(), wrapper.wrap_database_errors, _UnpreparedCursor(raw) as c:
+                yield c
+            return
+        if not (native and app_settings.PREPARED_STATEMENTS):
             with sql.database_errors(), wrapper.cursor() as cursor:
                 yield cursor
             return
