@@ -98,9 +98,9 @@ def cursor(using: str, *, savepoint: bool = True) -> Iterator[Any]:
     With ``WORKFLOW_DELIVERY_PREPARED_STATEMENTS`` (the default) and psycopg 3, the
     statements go straight to psycopg on Django's connection, bound server-side and
     prepared, so PostgreSQL parses and plans each one once per connection rather than
-    per call; they then do not appear in ``connection.queries``. Otherwise, and always
-    on a connection that reaches its server through a pooler (whatever the setting),
-    Django's cursor is used.
+    per call; they then do not appear in ``connection.queries``. Otherwise Django's
+    cursor is used. On a connection that reaches its server through a pooler they are
+    never prepared, whatever this setting or the host's psycopg options say.
     """
     wrapper = connections[using]
     # Each statement is atomic on its own in autocommit; inside a caller's transaction
