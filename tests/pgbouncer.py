@@ -8,6 +8,7 @@ A missing ``pgbouncer`` binary is a failure, never a skip.
 from __future__ import annotations
 
 import os
+import pwd
 import shutil
 import socket
 import subprocess
@@ -34,6 +35,17 @@ def real_server(settings: dict[str, Any]) -> dict[str, Any]:
         return dict(settings)
     host, _, port = behind.rpartition(":")
     return {**settings, "HOST": host, "PORT": port}
+
+
+def _system_user(server: dict[str, Any]) -> str:
+    """Who runs PgBouncer when this process is root: the owner of the server's socket
+    folder (the embedded server's own user, the only one let in), else postgres."""
+    host = server.get("HOST") or ""
+    if host.startswith("/"):
+        owner = pwd.getpwuid(Path(host).stat().st_uid).pw_name
+        if owner != "root":
+            return owner
+    return "postgres"
 
 
 def _free_port() -> int:
@@ -78,9 +90,10 @@ def pgbouncer(server: dict[str, Any], *, pool_size: int) -> Iterator[dict[str, A
     (folder / "pgbouncer.ini").write_text(_config(server, folder, port, pool_size))
     command = [PGBOUNCER, "-q", str(folder / "pgbouncer.ini")]
     if os.geteuid() == 0:
-        shutil.chown(folder, "postgres")
+        runner = _system_user(server)
+        shutil.chown(folder, runner)
         folder.chmod(0o755)
-        command = ["runuser", "-u", "postgres", "--", *command]
+        command = ["runuser", "-u", runner, "--", *command]
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     try:
         deadline = time.monotonic() + 20
