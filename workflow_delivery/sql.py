@@ -249,7 +249,10 @@ def database_errors() -> Iterator[None]:
     except DatabaseError as exc:
         diag = getattr(exc.__cause__, "diag", None)
         constraint = getattr(diag, "constraint_name", None)
-        sqlstate = getattr(exc.__cause__, "sqlstate", None)
+        # psycopg 3 names the SQLSTATE ``sqlstate``, psycopg2 ``pgcode``.
+        sqlstate = getattr(exc.__cause__, "sqlstate", None) or getattr(
+            exc.__cause__, "pgcode", None
+        )
         message = getattr(diag, "message_primary", None) or str(exc)
         if constraint == "wd_community_write_fence":
             raise CommunityWriteFenced(message) from exc
