@@ -20,7 +20,10 @@ def main() -> None:
     except OperationalError as exc:
         # A server that answered with an error (its own SQLSTATE, not a connection
         # failure) is a real failure of the command: keep its traceback.
-        sqlstate = getattr(exc.__cause__, "sqlstate", None)
+        # psycopg 3 names the SQLSTATE ``sqlstate``, psycopg2 ``pgcode``.
+        sqlstate = getattr(exc.__cause__, "sqlstate", None) or getattr(
+            exc.__cause__, "pgcode", None
+        )
         if sqlstate and not sqlstate.startswith(("08", "3D", "28", "57P")):
             raise
         reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__

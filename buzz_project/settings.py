@@ -2,10 +2,17 @@
 
 from __future__ import annotations
 
+import json
+import math
+import re
+import secrets
 from pathlib import Path
+from typing import Any
 
 import environ
 from django.core.exceptions import ImproperlyConfigured
+
+from workflow_delivery.conf import DEFAULTS as WORKFLOW_DELIVERY_DEFAULTS
 
 BASE_DIR = Path(__file__).resolve().parent.parent
 
@@ -33,14 +40,29 @@ def _flag(name: str, default: bool) -> bool:
     return _BOOLEANS[raw.strip().lower()]
 
 
-DEBUG = _flag("DEBUG", True)
+# Off unless the environment turns it on (scripts/run does, for local use).
+DEBUG = _flag("DEBUG", False)
 
-_DEV_SECRET_KEY = "dev-only-insecure-key-set-SECRET_KEY-in-production"
-SECRET_KEY = _read("SECRET_KEY", str, _DEV_SECRET_KEY if DEBUG else None)
+SECRET_KEY = _read("SECRET_KEY", str, "")
 if not SECRET_KEY:
-    raise ImproperlyConfigured("SECRET_KEY must be set when DEBUG is false.")
+    if not DEBUG:
+        raise ImproperlyConfigured("SECRET_KEY must be set when DEBUG is false.")
+    # Local use only: a key of this process alone, never a published one.
+    SECRET_KEY = secrets.token_urlsafe(50)
 
 ALLOWED_HOSTS = _read("ALLOWED_HOSTS", list, ["127.0.0.1", "localhost", "[::1]"])
+
+# HTTPS: on by default whenever DEBUG is off, so `manage.py check --deploy` is quiet;
+# each can be turned off (or, with DEBUG, on) from the environment.
+SECURE_SSL_REDIRECT = _flag("SECURE_SSL_REDIRECT", not DEBUG)
+SESSION_COOKIE_SECURE = _flag("SESSION_COOKIE_SECURE", not DEBUG)
+CSRF_COOKIE_SECURE = _flag("CSRF_COOKIE_SECURE", not DEBUG)
+SECURE_HSTS_SECONDS = _read("SECURE_HSTS_SECONDS", int, 0 if DEBUG else 31536000)
+SECURE_HSTS_INCLUDE_SUBDOMAINS = _flag("SECURE_HSTS_INCLUDE_SUBDOMAINS", not DEBUG)
+SECURE_HSTS_PRELOAD = _flag("SECURE_HSTS_PRELOAD", not DEBUG)
+# Behind a TLS-terminating proxy: the header it sets, e.g. HTTP_X_FORWARDED_PROTO.
+if _proxy_header := _read("SECURE_PROXY_SSL_HEADER", str, ""):
+    SECURE_PROXY_SSL_HEADER = (_proxy_header, "https")
 
 
 def _database() -> dict:
@@ -80,6 +102,7 @@ INSTALLED_APPS = [
     "django.contrib.messages",
     "django.contrib.staticfiles",
     "workflow_delivery",
+    "buzz_project.demo",
 ]
 
 MIDDLEWARE = [
@@ -124,14 +147,57 @@ USE_TZ = True
 STATIC_URL = "static/"
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 
-WORKFLOW_DELIVERY_DEFAULT_LEASE_SECONDS = _read("WORKFLOW_DELIVERY_DEFAULT_LEASE_SECONDS", int, 60)
-WORKFLOW_DELIVERY_MAX_LEASE_SECONDS = _read("WORKFLOW_DELIVERY_MAX_LEASE_SECONDS", int, 604800)
-WORKFLOW_DELIVERY_REAP_BATCH_SIZE = _read("WORKFLOW_DELIVERY_REAP_BATCH_SIZE", int, 500)
-WORKFLOW_DELIVERY_REAP_INTERVAL_SECONDS = _read(
-    "WORKFLOW_DELIVERY_REAP_INTERVAL_SECONDS", float, 5.0
-)
+_WHOLE = re.compile(r"[+-]?[0-9]+")
+_DECIMAL = re.compile(r"[+-]?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:[eE][+-]?[0-9]+)?")
+_NONE = {"none", "null"}
 
-WORKFLOW_DELIVERY_REAP_YIELD_RATIO = _read("WORKFLOW_DELIVERY_REAP_YIELD_RATIO", float, 1.0)
+
+def _number(name: str, raw: str, *, whole: bool) -> int | float:
+    """A finite number written as one: ``1e3`` is 1000.0, never 13.0 or an error."""
+    text = raw.strip()
+    if _WHOLE.fullmatch(text):
+        return int(text)
+    if not whole and _DECIMAL.fullmatch(text):
+        value = float(text)
+        if math.isfinite(value):
+            return value
+        raise ImproperlyConfigured(f"{name} must be a finite number, got {raw!r}.")
+    kind = "a whole number" if whole else "a number"
+    raise ImproperlyConfigured(f"{name} must be {kind}, got {raw!r}.")
+
+
+def _app_setting(name: str, default: Any) -> Any:
+    """``name`` from the environment, parsed after the type of the app's default."""
+    raw = env.str(name, default="")
+    if raw.strip() == "":
+        return default
+    if isinstance(default, bool):
+        return _flag(name, default)
+    if raw.strip().lower() in _NONE and not isinstance(default, str):
+        # A cap or option the app lets be None (the system checks judge the rest).
+        return None
+    if default is None:
+        # An optional text (API_ORIGIN): the value as written.
+        return raw.strip()
+    if isinstance(default, int):
+        return _number(name, raw, whole=True)
+    if isinstance(default, dict):
+        try:
+            value = json.loads(raw)
+        except ValueError:
+            value = None
+        if not isinstance(value, dict):
+            raise ImproperlyConfigured(f"{name} must be a JSON object, got {raw!r}.")
+        return value
+    if isinstance(default, float):
+        return float(_number(name, raw, whole=False))
+    return raw
+
+
+# Every setting the app reads, whatever it is: a setting added to the app's DEFAULTS
+# is read from the environment here without another line.
+for _name, _default in WORKFLOW_DELIVERY_DEFAULTS.items():
+    globals()[f"WORKFLOW_DELIVERY_{_name}"] = _app_setting(f"WORKFLOW_DELIVERY_{_name}", _default)
 
 LOGGING = {
     "version": 1,
@@ -140,6 +206,11 @@ LOGGING = {
     "handlers": {"console": {"class": "logging.StreamHandler", "formatter": "plain"}},
     "loggers": {
         "workflow_delivery": {
+            "handlers": ["console"],
+            "level": _read("WORKFLOW_DELIVERY_LOG_LEVEL", str, "INFO"),
+            "propagate": False,
+        },
+        "buzz_project": {
             "handlers": ["console"],
             "level": _read("WORKFLOW_DELIVERY_LOG_LEVEL", str, "INFO"),
             "propagate": False,

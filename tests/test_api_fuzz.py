@@ -17,6 +17,9 @@ from tests import factories
 from tests.agent_http import pubkey, secret, uvicorn_server
 from workflow_delivery.api import nip98
 
+# The live server's wait view listens with psycopg 3.
+pytestmark = pytest.mark.psycopg3
+
 EXAMPLES = 20
 
 

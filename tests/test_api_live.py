@@ -33,7 +33,7 @@ from workflow_delivery.protocol import (
 from workflow_delivery.services import commit_deliveries
 from workflow_delivery.wakeups import WAKE_CHANNEL, format_wake
 
-pytestmark = pytest.mark.django_db(transaction=True)
+pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.psycopg3]
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,9 @@ from django.db import connection
 ROOT = Path(__file__).resolve().parent.parent
 
 
+# The harness runs on psycopg 3.
 @pytest.mark.slow
+@pytest.mark.psycopg3
 def test_harness_runs_and_drops_its_database(db, tmp_path: Path) -> None:
     report = tmp_path / "bench.json"
     command = [

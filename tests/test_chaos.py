@@ -10,11 +10,12 @@ from pathlib import Path
 
 import pytest
 
-from bench.chaos import ChaosConfig, run
-
 
 @pytest.fixture(scope="module")
 def report(tmp_path_factory: pytest.TempPathFactory):
+    # Imported here: the harness needs psycopg 3, which a psycopg2 cell does not have.
+    from bench.chaos import ChaosConfig, run
+
     config = ChaosConfig(
         agents=4,
         producers=2,
@@ -33,7 +34,8 @@ def report(tmp_path_factory: pytest.TempPathFactory):
     return run(config)
 
 
-pytestmark = pytest.mark.slow
+# The harness drives psycopg 3 and starts its server from the pgserver wheel.
+pytestmark = [pytest.mark.slow, pytest.mark.psycopg3, pytest.mark.pgserver]
 
 
 def test_every_committed_delivery_is_settled_exactly_once(report):

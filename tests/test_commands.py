@@ -15,8 +15,9 @@ from django.contrib.auth import get_user_model
 from django.core.management import CommandError, call_command
 from django.db import connection, connections
 
+from buzz_project.demo import data as demo
 from tests import factories
-from workflow_delivery import demo, fence
+from workflow_delivery import fence
 from workflow_delivery.models import WorkflowAgentDelivery
 from workflow_delivery.runner import logger as reaper_logger
 from workflow_delivery.services import claim_delivery, commit_deliveries

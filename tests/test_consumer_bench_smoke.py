@@ -17,6 +17,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.mark.slow
+@pytest.mark.psycopg3
 def test_consumer_benchmarks_run_and_drop_their_database(db, tmp_path: Path) -> None:
     report = tmp_path / "bench.json"
     command = [sys.executable, str(ROOT / "bench" / "run.py"), "wake", "notify", "consumer"]

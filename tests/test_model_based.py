@@ -141,7 +141,10 @@ class DeliveryMachine(RuleBasedStateMachine):
 
     def __init__(self) -> None:
         super().__init__()
-        self.savepoint = transaction.savepoint()
+        # An atomic block (a savepoint inside the test's transaction) that teardown
+        # rolls back; transaction.savepoint() itself is deprecated from Django 6.1.
+        self.example = transaction.atomic()
+        self.example.__enter__()
         self.tenants = [Tenant(factories.Step(targets=2)) for _ in range(2)]
         # Both tenants address the same two agents, so cross-tenant probes name real targets.
         for tenant in self.tenants[1:]:
@@ -150,7 +153,8 @@ class DeliveryMachine(RuleBasedStateMachine):
         self.issued = 0
 
     def teardown(self) -> None:
-        transaction.savepoint_rollback(self.savepoint)
+        transaction.set_rollback(True)
+        self.example.__exit__(None, None, None)
 
     @property
     def targets(self) -> list[bytes]:

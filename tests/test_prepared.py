@@ -25,6 +25,7 @@ def prepared_statements() -> list[str]:
         return [statement for (statement,) in cursor.fetchall()]
 
 
+@pytest.mark.psycopg3
 def test_claim_and_finish_are_prepared_with_a_literal_pending(db):
     assert cycle(factories.Step()) == Settled(Outcome.FINISHED)
     statements = prepared_statements()
@@ -36,6 +37,7 @@ def test_claim_and_finish_are_prepared_with_a_literal_pending(db):
     assert any(settle in text for text in statements)
 
 
+@pytest.mark.psycopg3
 def test_prepared_statements_bypass_django_query_capture(db):
     step = factories.Step()
     with CaptureQueriesContext(connection) as captured:

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 from django.core.management import call_command
+from django.core.management.base import SystemCheckError
 from django.db import connection
 from django.db.utils import ConnectionHandler
 from django.test import override_settings
@@ -71,11 +72,37 @@ def test_e001_reports_a_database_that_is_not_postgresql(monkeypatch):
     monkeypatch.setattr(checks, "connections", sqlite)
     errors = checks.check_postgresql()
     assert [error.id for error in errors] == ["workflow_delivery.E001"]
-    assert errors[0].msg == checks.E001_MSG.format(alias="default", vendor="sqlite")
+    assert errors[0].msg == (
+        "workflow_delivery needs PostgreSQL 14 or newer: database 'default' uses the "
+        "'sqlite' backend."
+    )
 
 
 def test_e001_is_silent_on_postgresql():
     assert checks.check_postgresql() == []
+
+
+def test_e001_reports_a_server_older_than_the_oldest_tested(db, monkeypatch):
+    number = connection.pg_version
+    found = f"{number // 10000}.{number % 10000}"
+    # The real server, judged against a minimum above it.
+    monkeypatch.setattr(checks, "MINIMUM_POSTGRESQL", (number // 10000 + 1,))
+    errors = checks.check_postgresql()
+    assert [error.id for error in errors] == ["workflow_delivery.E001"]
+    assert errors[0].msg == (
+        f"workflow_delivery needs PostgreSQL {number // 10000 + 1} or newer: database "
+        f"'default' is PostgreSQL {found}."
+    )
+
+
+def test_an_old_server_fails_the_check_command_in_one_line(db, monkeypatch):
+    # The suite's own server, judged against a minimum above it.
+    monkeypatch.setattr(checks, "MINIMUM_POSTGRESQL", (99,))
+    with pytest.raises(SystemCheckError) as failure:
+        call_command("check")
+    lines = [line for line in str(failure.value).splitlines() if "E001" in line]
+    assert len(lines) == 1
+    assert "needs PostgreSQL 99 or newer: database 'default' is PostgreSQL" in lines[0]
 
 
 @override_settings(
@@ -141,3 +168,82 @@ def test_settings_checks_report_a_bad_cap_retention_or_prune_batch(setting, valu
 @override_settings(WORKFLOW_DELIVERY_MAX_ATTEMPTS=None, WORKFLOW_DELIVERY_RETENTION="0s")
 def test_no_cap_and_a_zero_retention_are_valid():
     assert checks.check_settings() == []
+
+
+@pytest.mark.parametrize(
+    ("name", "raw", "expected"),
+    [
+        ("WORKFLOW_DELIVERY_REAP_INTERVAL_SECONDS", "1e3", "1000.0"),
+        ("WORKFLOW_DELIVERY_REAP_INTERVAL_SECONDS", " 2.5 ", "2.5"),
+        ("WORKFLOW_DELIVERY_REAP_YIELD_RATIO", "3", "3.0"),
+        ("WORKFLOW_DELIVERY_REAP_BATCH_SIZE", "250", "250"),
+        ("WORKFLOW_DELIVERY_PREPARED_STATEMENTS", "off", "False"),
+    ],
+)
+def test_every_app_setting_is_read_from_the_environment_as_its_type(name, raw, expected):
+    script = f"from django.conf import settings; print(repr(settings.{name}))"
+    result = manage("shell", "-c", script, **{name: raw})
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip().splitlines()[-1] == expected
+
+
+def test_the_project_reads_every_setting_the_app_defines():
+    from django.conf import settings
+
+    from workflow_delivery.conf import DEFAULTS
+
+    script = "from django.conf import settings; print(settings.WORKFLOW_DELIVERY_{})"
+    for name, default in DEFAULTS.items():
+        assert getattr(settings, f"WORKFLOW_DELIVERY_{name}") == default
+    result = manage("shell", "-c", script.format("REAP_BATCH_SIZE"))
+    assert result.stdout.strip().splitlines()[-1] == str(DEFAULTS["REAP_BATCH_SIZE"])
+
+
+@pytest.mark.parametrize(
+    ("raw", "message"),
+    [
+        ("1e999", "must be a finite number"),
+        ("nan", "must be a number"),
+        ("inf", "must be a number"),
+        ("5s", "must be a number"),
+        ("0x10", "must be a number"),
+    ],
+)
+def test_a_malformed_number_names_its_variable(raw, message):
+    name = "WORKFLOW_DELIVERY_REAP_INTERVAL_SECONDS"
+    result = manage("check", **{name: raw})
+    assert result.returncode != 0
+    assert f"{name} {message}, got {raw!r}" in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
+
+
+def test_a_whole_number_setting_refuses_a_fraction():
+    result = manage("check", WORKFLOW_DELIVERY_REAP_BATCH_SIZE="2.5")
+    assert "WORKFLOW_DELIVERY_REAP_BATCH_SIZE must be a whole number, got '2.5'" in result.stderr
+
+
+def test_production_settings_pass_the_deploy_check():
+    production = {
+        "DEBUG": "false",
+        "SECRET_KEY": "k" + "".join(chr(33 + i % 90) for i in range(64)),
+        "ALLOWED_HOSTS": "deliveries.example",
+    }
+    result = manage("check", "--deploy", "--fail-level", "WARNING", **production)
+    assert result.returncode == 0, result.stderr
+    assert "no issues" in result.stdout
+
+
+def test_debug_is_off_unless_the_environment_turns_it_on():
+    # The project's own settings module (not the test run's), with DEBUG unset.
+    unset = {"DEBUG", "DJANGO_SETTINGS_MODULE"}
+    environment = {k: v for k, v in os.environ.items() if k not in unset}
+    result = subprocess.run(
+        [sys.executable, "manage.py", "check"],
+        cwd=ROOT,
+        env={**environment, "SECRET_KEY": ""},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode != 0
+    assert "SECRET_KEY must be set when DEBUG is false" in result.stderr

@@ -12,7 +12,7 @@ from workflow_delivery import services
 from workflow_delivery.protocol import NewDelivery
 from workflow_delivery.wakeups import WakeHint, WakeListener, format_wake, parse_wake
 
-pytestmark = pytest.mark.django_db(transaction=True)
+pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.psycopg3]
 
 # How long "nothing arrives" is watched for; a notification on this machine takes ~1 ms.
 QUIET_SECONDS = 0.3

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from django.core import checks
-from django.db import connections
+from django.db import DatabaseError, connections
 
 from .conf import (
     LEASE_SECONDS_BOUND,
@@ -16,8 +16,9 @@ from .conf import (
     parse_duration,
 )
 
-E001_MSG = "workflow_delivery needs PostgreSQL: database {alias!r} uses the {vendor!r} backend."
-E001_HINT = "Point this database at PostgreSQL 13 or newer (django.db.backends.postgresql)."
+# The oldest server CI runs the suite on (the README's support table).
+MINIMUM_POSTGRESQL = (14,)
+E001_MSG = "workflow_delivery needs PostgreSQL {needed} or newer: database {alias!r} {found}."
 E002_MSG = "WORKFLOW_DELIVERY_{name} must be a positive whole number, got {value!r}."
 E003_MSG = (
     "WORKFLOW_DELIVERY_DEFAULT_LEASE_SECONDS ({default}) exceeds "
@@ -41,20 +42,39 @@ def _positive_int(value: Any) -> bool:
     return is_whole_number(value) and value > 0
 
 
+def _needed() -> str:
+    return ".".join(str(part) for part in MINIMUM_POSTGRESQL)
+
+
+def _found_version(alias: str) -> tuple[int, ...] | None:
+    """The server's (major, minor), or None when it cannot be asked right now."""
+    try:
+        number = connections[alias].pg_version
+    except DatabaseError:
+        # An unreachable server is the command's own error to report, not a check's.
+        return None
+    return (number // 10000, number % 10000)
+
+
 @checks.register(checks.Tags.compatibility)
 def check_postgresql(app_configs: Any = None, **kwargs: Any) -> list:
-    # The backend's vendor is known without connecting, so this runs on every check.
+    # The backend's vendor is known without connecting; the server's version asks it.
     errors = []
     for alias in connections:
         vendor = connections[alias].vendor
         if vendor != "postgresql":
-            errors.append(
-                checks.Error(
-                    E001_MSG.format(alias=alias, vendor=vendor),
-                    hint=E001_HINT,
-                    id="workflow_delivery.E001",
-                )
+            found = f"uses the {vendor!r} backend"
+        else:
+            version = _found_version(alias)
+            if version is None or version >= MINIMUM_POSTGRESQL:
+                continue
+            found = f"is PostgreSQL {version[0]}.{version[1]}"
+        errors.append(
+            checks.Error(
+                E001_MSG.format(needed=_needed(), alias=alias, found=found),
+                id="workflow_delivery.E001",
             )
+        )
     return errors
 
 

@@ -7,6 +7,8 @@ PostgreSQL and how its answer comes back.
 
 from __future__ import annotations
 
+import logging
+import weakref
 from collections.abc import Sequence
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -36,6 +38,44 @@ except ImportError:  # Django on psycopg2: the app's statements use Django's cur
 
 _NEVER_BY_COUNT = 2**31 - 1
 
+logger = logging.getLogger(__name__)
+
+# Per raw connection: does a pooler sit between it and the server? Asked once.
+_POOLED: weakref.WeakKeyDictionary[Any, bool] = weakref.WeakKeyDictionary()
+_POOLER_REPORTED: set[str] = set()
+
+
+def _behind_pooler(raw: Any, alias: str) -> bool:
+    """True when the backend that answers is not the one the connection was opened to.
+
+    A server tells its client the process id of the backend it started for it
+    (BackendKeyData); a pooler that hands server connections out per transaction
+    (PgBouncer, Odyssey, PgCat, Supavisor) makes one up, since the backend changes
+    under the client. A prepared statement lives in one backend under a name chosen by
+    its client, so behind such a pooler a name this client prepared may denote another
+    client's statement on the backend that runs it: never prepare there.
+    """
+    pooled = _POOLED.get(raw)
+    if pooled is None:
+        # A plain, unprepared statement; in a caller's transaction it reads nothing
+        # and writes nothing.
+        with raw.cursor() as probe:
+            probe.execute("SELECT pg_backend_pid()", prepare=False)
+            (serving,) = probe.fetchone()
+        pooled = _POOLED[raw] = serving != raw.info.backend_pid
+        if pooled and alias not in _POOLER_REPORTED:
+            _POOLER_REPORTED.add(alias)
+            logger.warning(
+                "database %r: the connection was opened to backend %s but backend %s "
+                "answers, so a connection pooler sits in between; workflow_delivery "
+                "will not prepare its statements on this database",
+                alias,
+                raw.info.backend_pid,
+                serving,
+            )
+    return pooled
+
+
 if psycopg is not None:
 
     class _PreparedCursor(psycopg.Cursor):
@@ -45,6 +85,12 @@ if psycopg is not None:
 
         def execute(self, query, params=None, **kwargs):  # type: ignore[override]
             return super().execute(query, params, prepare=True, binary=True)
+
+    class _UnpreparedCursor(psycopg.Cursor):
+        """The same statements, never prepared, whatever the connection's threshold."""
+
+        def execute(self, query, params=None, **kwargs):  # type: ignore[override]
+            return super().execute(query, params, prepare=False, binary=True)
 
 
 def _sync_timeline(wrapper: Any, raw: Any) -> None:
@@ -109,21 +155,29 @@ class _Scope:
         raw = wrapper.connection
         _sync_timeline(wrapper, raw)
         self._cursor = self._django = None
-        if not (
-            app_settings.PREPARED_STATEMENTS
-            and psycopg is not None
-            and isinstance(raw, psycopg.Connection)
-        ):
+        self._reused = False
+        native = psycopg is not None and isinstance(raw, psycopg.Connection)
+        if native:
+            # What Django's cursor checks on every execute: this thread may use the
+            # connection, and the caller's transaction is not already broken.
+            wrapper.validate_thread_sharing()
+            wrapper.validate_no_broken_transaction()
+            # Ask about a pooler wherever anything may be prepared: the app's
+            # statements, or every statement once the host set prepare_threshold.
+            if app_settings.PREPARED_STATEMENTS or raw.prepare_threshold is not None:
+                with wrapper.wrap_database_errors:
+                    pooled = _behind_pooler(raw, self._using)
+                if pooled:
+                    # Behind a pooler, whatever the settings: never under a prepared name.
+                    self._cursor = _UnpreparedCursor(raw)
+                    return self._cursor
+        if not (native and app_settings.PREPARED_STATEMENTS):
             try:
                 self._django = wrapper.cursor()
             except Exception as exc:
                 _map_error(exc)
                 raise
             return self._django
-        # What Django's cursor checks on every execute: this thread may use the
-        # connection, and the caller's transaction is not already broken.
-        wrapper.validate_thread_sharing()
-        wrapper.validate_no_broken_transaction()
         if raw.prepare_threshold is None:
             # Django turns psycopg's preparation off; a threshold no query reaches
             # turns it back on for statements asked to prepare, and only for those.
@@ -193,7 +247,8 @@ def cursor(using: str, *, savepoint: bool = True) -> _Scope:
     statements go straight to psycopg on Django's connection, bound server-side and
     prepared, so PostgreSQL parses and plans each one once per connection rather than
     per call; they then do not appear in ``connection.queries``. Otherwise Django's
-    cursor is used.
+    cursor is used. On a connection that reaches its server through a pooler they are
+    never prepared, whatever this setting or the host's psycopg options say.
     """
     return _Scope(using, savepoint)
 
@@ -278,6 +333,16 @@ def _placeholder(position: int, value: object) -> object:
     return f"claim-parameter-{position}"
 
 
+def _adapted(param: object) -> object:
+    """The value a driver's wrapper carries: Django hands bytes to psycopg 3 as
+    ``psycopg.Binary`` (``.obj``) and to psycopg2 as ``psycopg2.extensions.Binary``
+    (``.adapted``)."""
+    for attribute in ("obj", "adapted"):
+        if hasattr(param, attribute):
+            return getattr(param, attribute)
+    return param
+
+
 # Claim statements compiled from the queryset, by (alias, filtered fields). Building
 # and compiling the queryset cost more than the claim itself; only its shape decides
 # the SQL, so each shape is compiled once, with placeholders that reveal which
@@ -298,7 +363,7 @@ def claim_statement(filters: dict[str, object], using: str) -> tuple[str, list[o
         with transaction.atomic(using=using):
             select_sql, params = queryset.query.get_compiler(using=using).as_sql()
         field_of = {value: name for name, value in placeholders.items()}
-        order = tuple(field_of[getattr(param, "obj", param)] for param in params)
+        order = tuple(field_of[_adapted(param)] for param in params)
         compiled = _CLAIM_STATEMENTS[shape] = (sql.claim_statement(select_sql), order)
     statement, order = compiled
     return statement, [filters[name] for name in order]

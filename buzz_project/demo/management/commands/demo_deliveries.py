@@ -10,7 +10,7 @@ from typing import Any
 from django.core.management.base import BaseCommand, CommandError
 from tqdm import tqdm
 
-from workflow_delivery import demo
+from buzz_project.demo import data as demo
 from workflow_delivery.runner import stop_on_signals
 
 PASSWORD_VARIABLE = "DEMO_ADMIN_PASSWORD"

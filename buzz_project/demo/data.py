@@ -24,8 +24,8 @@ from django.contrib.auth import get_user_model
 from django.db import DEFAULT_DB_ALIAS, connections
 from django.utils import timezone
 
-from . import fence, services
-from .models import (
+from workflow_delivery import fence, services
+from workflow_delivery.models import (
     Community,
     DeletionState,
     Event,
@@ -34,7 +34,7 @@ from .models import (
     WorkflowAgentDelivery,
     WorkflowRun,
 )
-from .protocol import (
+from workflow_delivery.protocol import (
     MESSAGE_KIND,
     MESSAGE_V1_MARKER,
     Cause,
@@ -47,9 +47,9 @@ from .protocol import (
     ScheduleCause,
     WebhookCause,
 )
-from .runner import StopRequest
+from workflow_delivery.runner import StopRequest
 
-logger = logging.getLogger("workflow_delivery.demo")
+logger = logging.getLogger("buzz_project.demo")
 
 NAMESPACE = uuid.UUID("6f1d3c1e-8a55-4d6b-9a53-2f8e0c7b9d10")
 HOSTS = ("alpha.demo.buzz", "beta.demo.buzz", "gamma.demo.buzz")

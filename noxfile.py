@@ -1,0 +1,239 @@
+"""The compatibility matrix: every cell runs the whole suite (a cell says what it leaves out).
+
+    .venv/bin/nox --list         the cells
+    .venv/bin/nox                all of them (what .ci/run does)
+    .venv/bin/nox -s NAME        one
+
+Cells name Python, Django, driver and server. The server is the local PostgreSQL 15 at
+127.0.0.1:5432 (NOX_DATABASE_URL moves it), the embedded one from the pgserver wheel, a
+scratch PostgreSQL 14.1 (scripts/scratch_postgres), or PgBouncer 1.18 in transaction mode
+on port 6432 (NOX_PGBOUNCER_PORT) in front of the local server. A missing interpreter,
+server or binary fails its cell; nothing is skipped quietly.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import nox
+
+nox.options.error_on_missing_interpreters = True
+nox.options.default_venv_backend = "venv"
+
+ROOT = Path(__file__).resolve().parent
+LOCAL_URL = os.environ.get("NOX_DATABASE_URL", "postgres://root@127.0.0.1:5432/postgres")
+PGBOUNCER_PORT = int(os.environ.get("NOX_PGBOUNCER_PORT", "6432"))
+
+# What a cell installs besides Django and a driver: the test tools, pinned in
+# requirements.txt (the one list of pins). tqdm is the bench's and demo's.
+TOOLS = ["pytest", "pytest-django", "pytest-timeout", "hypothesis", "selenium"]
+TOOLS += ["django-environ", "tqdm", "prometheus-client", "schemathesis"]
+# The agent API and the servers its live tests and benchmark start.
+TOOLS += ["django-ninja", "coincurve", "uvicorn", "gunicorn"]
+DJANGO = {"5.2": None, "6.0": "Django==6.0.10", "6.1": "Django==6.1.3"}
+
+
+def _pins() -> dict[str, str]:
+    pins = {}
+    for line in (ROOT / "requirements.txt").read_text().splitlines():
+        line = line.split("#", 1)[0].split(";", 1)[0].strip()
+        if match := re.fullmatch(r"([A-Za-z0-9_.-]+)(\[[^\]]*\])?==\S+", line):
+            pins[match.group(1).lower()] = line
+    return pins
+
+
+PINS = _pins()
+DJANGO["5.2"] = PINS["django"]
+
+
+def _python(version: str) -> str:
+    """The interpreter for ``version``: NOX_PYTHON_3_12 etc., pyenv's, or PATH's."""
+    if chosen := os.environ.get(f"NOX_PYTHON_{version.replace('.', '_')}"):
+        return chosen
+    root = Path(os.environ.get("PYENV_ROOT", "~/.pyenv")).expanduser()
+    found = sorted(root.glob(f"versions/{version}.*/bin/python{version}"))
+    return str(found[-1]) if found else version
+
+
+def _install(session: nox.Session, django: str, driver: str, *, pgserver: bool) -> None:
+    packages = [PINS[name] for name in TOOLS] + [DJANGO[django]]
+    packages.append(PINS["psycopg"] if driver == "psycopg3" else "psycopg2-binary==2.9.13")
+    if pgserver:
+        packages.append(PINS["pgserver"])
+    session.install(*packages)
+    if driver == "psycopg2":
+        # The cell's point: a host with psycopg2 and no psycopg 3 at all.
+        session.run("python", "-c", "import importlib.util as u; assert not u.find_spec('psycopg')")
+
+
+def _pytest(session: nox.Session, *args: str, **env: str) -> None:
+    session.run("python", "-m", "pytest", *args, *session.posargs, env=env)
+
+
+def _loudly(session: nox.Session, text: str) -> None:
+    session.warn("=" * 78)
+    session.warn(text)
+    session.warn("=" * 78)
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def _wait_for(port: int, what: str, seconds: float = 30) -> None:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            return
+        except OSError:
+            time.sleep(0.2)
+    raise RuntimeError(f"{what} did not answer on 127.0.0.1:{port}")
+
+
+@nox.session(name="py3.11-django5.2-psycopg3-pg15", python=_python("3.11"))
+def local_pg15(session: nox.Session) -> None:
+    _install(session, "5.2", "psycopg3", pgserver=True)
+    _pytest(session, DATABASE_URL=LOCAL_URL)
+
+
+@nox.session(name="py3.11-django5.2-psycopg3-embedded", python=_python("3.11"))
+def embedded(session: nox.Session) -> None:
+    _install(session, "5.2", "psycopg3", pgserver=True)
+    # An empty DATABASE_URL means the embedded server (buzz_project/embedded.py).
+    _pytest(session, DATABASE_URL="")
+
+
+@nox.session(name="py3.12-django6.0-psycopg3-pg15", python=_python("3.12"))
+def django60(session: nox.Session) -> None:
+    _install(session, "6.0", "psycopg3", pgserver=True)
+    _pytest(session, DATABASE_URL=LOCAL_URL)
+
+
+@nox.session(name="py3.13-django6.1-psycopg3-pg15", python=_python("3.13"))
+def django61(session: nox.Session) -> None:
+    _install(session, "6.1", "psycopg3", pgserver=False)
+    _loudly(
+        session,
+        "pgserver 0.1.4 has no wheel for Python 3.13: this cell has no embedded server and "
+        "deselects the tests marked pgserver (the chaos scenario, which starts its own "
+        "server from that wheel).",
+    )
+    _pytest(session, "-m", "not pgserver", DATABASE_URL=LOCAL_URL)
+
+
+@nox.session(name="py3.11-django5.2-psycopg3-pg14", python=_python("3.11"))
+def pg14(session: nox.Session) -> None:
+    _install(session, "5.2", "psycopg3", pgserver=True)
+    folder = tempfile.mkdtemp(prefix="wd-pg14-")
+    port = _free_port()
+    script = str(ROOT / "scripts" / "scratch_postgres")
+    session.run(script, "start", folder, str(port), external=True)
+    try:
+        url = f"postgres://root@127.0.0.1:{port}/postgres"
+        version = ["psql", url, "-Atc", "SHOW server_version"]
+        found = subprocess.run(version, capture_output=True, text=True, check=True).stdout
+        if not found.startswith("14."):
+            session.error(f"the scratch server is PostgreSQL {found.strip()}, not 14")
+        _pytest(session, DATABASE_URL=url)
+    finally:
+        session.run(script, "stop", folder, external=True)
+
+
+@nox.session(name="py3.11-django5.2-psycopg2-pg15", python=_python("3.11"))
+def psycopg2(session: nox.Session) -> None:
+    _install(session, "5.2", "psycopg2", pgserver=True)
+    _loudly(
+        session,
+        "psycopg2 cell: deselects the tests marked psycopg3 (the bench and chaos harnesses "
+        "and the checks that statements are prepared), which need psycopg 3.",
+    )
+    _pytest(session, "-m", "not psycopg3", DATABASE_URL=LOCAL_URL)
+
+
+PGBOUNCER_INI = """
+[databases]
+* = host={host} port={port}
+
+[pgbouncer]
+listen_addr = 127.0.0.1
+listen_port = {listen}
+unix_socket_dir =
+auth_type = trust
+auth_file = {folder}/users.txt
+pool_mode = transaction
+default_pool_size = 20
+max_client_conn = 200
+server_reset_query =
+ignore_startup_parameters = extra_float_digits,options
+logfile = {folder}/pgbouncer.log
+pidfile = {folder}/pgbouncer.pid
+"""
+
+
+@nox.session(name="py3.11-django5.2-psycopg3-pgbouncer", python=_python("3.11"))
+def pgbouncer(session: nox.Session) -> None:
+    """The lifecycle, concurrency and pooler tests through PgBouncer in transaction mode."""
+    _install(session, "5.2", "psycopg3", pgserver=False)
+    binary = shutil.which("pgbouncer") or "/usr/sbin/pgbouncer"
+    if not os.access(binary, os.X_OK):
+        session.error("pgbouncer is not installed (apt-get install pgbouncer; .ci/run does)")
+    url = LOCAL_URL.rsplit("/", 1)
+    server = re.match(r"postgres(?:ql)?://(?P<user>[^@]+)@(?P<host>[^:/]+):(?P<port>\d+)", url[0])
+    if server is None:
+        session.error(f"NOX_DATABASE_URL must be postgres://user@host:port/name, not {LOCAL_URL}")
+    folder = Path(tempfile.mkdtemp(prefix="wd-pgbouncer-"))
+    (folder / "users.txt").write_text(f'"{server["user"]}" ""\n')
+    ini = PGBOUNCER_INI.format(
+        host=server["host"], port=server["port"], listen=PGBOUNCER_PORT, folder=folder
+    )
+    (folder / "pgbouncer.ini").write_text(ini)
+    command = [binary, "-q", str(folder / "pgbouncer.ini")]
+    if os.geteuid() == 0:
+        # PgBouncer refuses to run as root.
+        shutil.chown(folder, "postgres")
+        command = ["runuser", "-u", "postgres", "--", *command]
+    try:
+        socket.create_connection(("127.0.0.1", PGBOUNCER_PORT), timeout=1).close()
+        session.error(f"port {PGBOUNCER_PORT} is taken already (NOX_PGBOUNCER_PORT moves it)")
+    except OSError:
+        pass
+    process = subprocess.Popen(command)
+    try:
+        _wait_for(PGBOUNCER_PORT, "pgbouncer")
+        if process.poll() is not None:
+            session.error(f"pgbouncer exited with {process.returncode}")
+        through = f"postgres://{server['user']}@127.0.0.1:{PGBOUNCER_PORT}/{url[1]}"
+        session.log(f"{subprocess.check_output([binary, '--version'], text=True).strip()}")
+        # --reuse-db: PgBouncer keeps server connections to the test database, so the
+        # database is dropped below, straight on the server, once PgBouncer is gone.
+        _pytest(
+            session,
+            "tests/test_lifecycle.py",
+            "tests/test_concurrency.py",
+            "tests/test_pooler.py",
+            "--reuse-db",
+            DATABASE_URL=through,
+            WD_TEST_SERVER=f"{server['host']}:{server['port']}",
+        )
+    finally:
+        process.terminate()
+        process.wait(timeout=30)
+        test_db = f"test_{url[1]}"
+        session.run(
+            "psql",
+            f"{url[0]}/postgres",
+            "-qc",
+            f'DROP DATABASE IF EXISTS "{test_db}"',
+            external=True,
+        )
+        shutil.rmtree(folder, ignore_errors=True)
