@@ -350,6 +350,8 @@ def api_server(
         "DEBUG": "false",
         "SECRET_KEY": os.environ.get("SECRET_KEY", "bench-only-not-a-secret"),
         "ALLOWED_HOSTS": "*",
+        # Plain HTTP on loopback: the production default would redirect to HTTPS.
+        "SECURE_SSL_REDIRECT": "false",
         **(env or {}),
     }
     inherited = [listener.fileno()] if server == "gunicorn" else []
