@@ -358,6 +358,23 @@ def test_demo_deliveries_is_idempotent():
 
 
 @pytest.mark.django_db(transaction=True)
+def test_demo_data_of_older_agent_keys_is_left_alone(raw):
+    run("demo_deliveries")
+    alpha = demo.demo_uuid("alpha.demo.buzz")
+    # As an older demo stored it: a target that is no agent's public key.
+    raw.execute(
+        "UPDATE workflow_agent_deliveries SET target_pubkey = %s WHERE id = "
+        "(SELECT id FROM workflow_agent_deliveries WHERE community_id = %s LIMIT 1)",
+        [demo.demo_key("alpha.demo.buzz", "agent", "scout"), alpha],
+    )
+    snapshot = demo_snapshot()
+    out = run("demo_deliveries")
+    assert "alpha.demo.buzz holds deliveries of an older demo's agent keys" in out
+    assert "(0 deliveries new)" in out
+    assert demo_snapshot() == snapshot
+
+
+@pytest.mark.django_db(transaction=True)
 def test_demo_superuser_is_created_then_its_password_reset(monkeypatch, settings):
     settings.PASSWORD_HASHERS = ["django.contrib.auth.hashers.MD5PasswordHasher"]
     monkeypatch.setenv("DEMO_ADMIN_PASSWORD", "first-secret")

@@ -1,12 +1,32 @@
-"""AgentClient's connect_to option: an address to connect to while the Host and the
+"""The demo's agent identities (signing keys whose public keys are the targets) and
+AgentClient's connect_to option: an address to connect to while the Host and the
 signed URL stay those of the base URL."""
 
 from __future__ import annotations
 
 import pytest
 
+from buzz_project.demo import data as demo
+from workflow_delivery.api import nip98
 from workflow_delivery.client import AgentClient
 from workflow_delivery.exceptions import ProtocolError
+from workflow_delivery.models import Community, WorkflowAgentDelivery
+
+ALPHA = "alpha.demo.buzz"
+
+
+@pytest.fixture
+def alpha(transactional_db) -> Community:
+    demo.load_demo_data()
+    return Community.objects.get(host=ALPHA)
+
+
+def test_demo_targets_are_the_public_keys_of_the_agents_secret_keys(alpha):
+    for host in demo.HOSTS:
+        keys = [nip98.public_key(demo.agent_secret(host, name)) for name in demo.AGENTS]
+        assert demo.agent_pubkeys(host) == keys
+    targets = set(WorkflowAgentDelivery.objects.values_list("target_pubkey", flat=True))
+    assert {bytes(t) for t in targets} == {k for h in demo.HOSTS for k in demo.agent_pubkeys(h)}
 
 
 @pytest.mark.parametrize(

@@ -8,6 +8,7 @@ changes nothing either.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import random
@@ -25,6 +26,7 @@ from django.db import DEFAULT_DB_ALIAS, connections
 from django.utils import timezone
 
 from workflow_delivery import fence, services
+from workflow_delivery.api import nip98
 from workflow_delivery.models import (
     Community,
     DeletionState,
@@ -77,14 +79,27 @@ def demo_key(*parts: str) -> bytes:
     return hashlib.sha256(":".join(("buzz-demo", *parts)).encode()).digest()
 
 
+def agent_secret(host: str, name: str) -> bytes:
+    """The secp256k1 secret key of a demo agent (a sha256 digest is a valid one with
+    overwhelming odds); its x-only public key is the delivery target, so the agent
+    can sign API requests as itself."""
+    return demo_key(host, "agent", name)
+
+
+@functools.cache
+def _agent_pubkeys(host: str) -> tuple[bytes, ...]:
+    return tuple(nip98.public_key(agent_secret(host, name)) for name in AGENTS)
+
+
 def agent_pubkeys(host: str) -> list[bytes]:
-    return [demo_key(host, "agent", name) for name in AGENTS]
+    return list(_agent_pubkeys(host))
 
 
 @dataclass
 class DemoReport:
     created: Counter = field(default_factory=Counter)
     skipped_hosts: list[str] = field(default_factory=list)
+    stale_hosts: list[str] = field(default_factory=list)
     quiesced_hosts: list[str] = field(default_factory=list)
 
     def totals(self) -> dict[str, int]:
@@ -234,6 +249,14 @@ def _load_community(report: DemoReport, host: str, expiring: list[UUID]) -> None
     if community.deletion_state != DeletionState.ACTIVE:
         # Its data was loaded before it was fenced, and a fenced tenant takes no writes.
         report.skipped_hosts.append(host)
+        return
+    stale = WorkflowAgentDelivery.objects.filter(community=community).exclude(
+        target_pubkey__in=agent_pubkeys(host)
+    )
+    if stale.exists():
+        # Loaded by an older demo whose agent keys were not signing keys: its
+        # messages name those targets, so new deliveries could not be bound to them.
+        report.stale_hosts.append(host)
         return
     for flow_index, (flow_name, cause_kind) in enumerate(WORKFLOWS.items()):
         _load_workflow(report, community, flow_index, flow_name, cause_kind, expiring)

@@ -51,6 +51,11 @@ class Command(BaseCommand):
         )
         for host in report.skipped_hosts:
             self.stdout.write(f"{host} is not active: left as it is")
+        for host in report.stale_hosts:
+            self.stdout.write(
+                f"{host} holds deliveries of an older demo's agent keys: left as it is "
+                "(recreate the database to reload it)"
+            )
         for host in report.quiesced_hosts:
             self.stdout.write(f"{host} moved to quiescing")
         if agents:
