@@ -16,8 +16,9 @@ import threading
 import time
 import uuid
 from collections import Counter
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field, fields
 from datetime import timedelta
 from uuid import UUID
 
@@ -27,6 +28,8 @@ from django.utils import timezone
 
 from workflow_delivery import fence, services
 from workflow_delivery.api import nip98
+from workflow_delivery.consumer import Consumer, ConsumerStats, DeliveryContext, Handler
+from workflow_delivery.consumer import logger as consumer_logger
 from workflow_delivery.models import (
     Community,
     DeletionState,
@@ -42,8 +45,9 @@ from workflow_delivery.protocol import (
     Cause,
     CauseKind,
     DeliveryBinding,
+    DeliveryRecord,
     EventCause,
-    LeaseLost,
+    Lease,
     NewDelivery,
     Outcome,
     ScheduleCause,
@@ -298,75 +302,181 @@ def ensure_superuser(username: str, password: str) -> bool:
     return created
 
 
+class SimulatedFailure(Exception):
+    """Raised by a simulated handler for the one delivery in ten it fails."""
+
+
+class _QuietSimulatedFailures(logging.Filter):
+    """Keeps the consumer's traceback of a simulated failure off the console (the
+    progress line counts it); any other handler error is still logged."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.exc_info and isinstance(record.exc_info[1], SimulatedFailure))
+
+
+@contextmanager
+def quiet_simulated_failures() -> Iterator[None]:
+    quiet = _QuietSimulatedFailures()
+    consumer_logger.addFilter(quiet)
+    try:
+        yield
+    finally:
+        consumer_logger.removeFilter(quiet)
+
+
 class AgentTally:
-    """Counts of what the simulated agents did, shared between their threads."""
+    """Counts of what the simulated agents did, shared between their threads: the
+    consumers' own stats plus what the other agents add."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self.counts: Counter = Counter()
+        self._consumers: list[ConsumerStats] = []
 
     def add(self, what: str) -> None:
         with self._lock:
             self.counts[what] += 1
 
+    def watch(self, stats: ConsumerStats) -> None:
+        with self._lock:
+            self._consumers.append(stats)
+
     def snapshot(self) -> dict[str, int]:
         with self._lock:
-            return dict(self.counts)
+            counts = Counter(self.counts)
+            for stats in self._consumers:
+                for name in CONSUMER_COUNTS:
+                    counts[name] += getattr(stats, name)
+        return {name: value for name, value in counts.items() if value}
+
+
+CONSUMER_COUNTS = tuple(f.name for f in fields(ConsumerStats))
+Until = Callable[[], bool]
+
+
+def _pause(until: Until, seconds: float) -> None:
+    deadline = time.monotonic() + seconds
+    while not until() and (remaining := deadline - time.monotonic()) > 0:
+        time.sleep(min(remaining, 0.05))
 
 
 @dataclass(frozen=True, slots=True)
 class Agent:
+    """A simulated agent: a ``Consumer`` of one demo identity. Its handler works a
+    moment, fails one delivery in ten by raising, and settles half of the others
+    itself inside ``holding()`` (a lease-fenced settle); the consumer settles the
+    rest, renews the leases and hands back what is in flight when it stops."""
+
     community_id: UUID
     target_pubkey: bytes
     seed: int
-    crash_rate: float = 0.15
     lease_seconds: int = 2
 
-    def run(self, deadline: float, stop: StopRequest, tally: AgentTally) -> None:
+    def handler(self, rng: random.Random) -> Handler:
+        def handle(record: DeliveryRecord, lease: Lease, context: DeliveryContext) -> None:
+            context.stopping.wait(rng.uniform(0.05, 0.4))  # the work; cut short at stop
+            if rng.random() < 0.1:
+                raise SimulatedFailure(f"simulated failure on {record.id}")
+            if rng.random() < 0.5:
+                with context.holding() as held:
+                    held.finish(Outcome.FINISHED)
+
+        return handle
+
+    def run(self, until: Until, tally: AgentTally) -> None:
+        try:
+            consumer = Consumer(
+                self.community_id,
+                [self.target_pubkey],
+                self.handler(random.Random(self.seed)),
+                lease_seconds=self.lease_seconds,
+                poll_interval=0.2,
+                grace_seconds=1.0,
+            )
+            tally.watch(consumer.stats)
+            consumer.run(stop=until)
+        except Exception:
+            logger.exception("simulated agent %s stopped on an error", self.target_pubkey.hex())
+            tally.add("errors")
+        finally:
+            connections.close_all()
+
+
+@dataclass(frozen=True, slots=True)
+class CrashingAgent:
+    """The agent that crashes, kept beside the consumers: a ``Consumer`` hands its
+    leases back when it stops, so it cannot show a crash. This one claims through the
+    service calls, works a moment, then abandons the lease as a killed process would
+    and restarts a second later; the lease runs out and a running reaper returns the
+    delivery to pending for another agent."""
+
+    community_id: UUID
+    target_pubkey: bytes
+    seed: int
+    lease_seconds: int = 2
+    restart_seconds: float = 1.0
+
+    def run(self, until: Until, tally: AgentTally) -> None:
         rng = random.Random(self.seed)
         try:
-            while not stop and time.monotonic() < deadline:
+            while not until():
                 claimed = services.claim_delivery(
                     self.community_id, self.target_pubkey, lease_seconds=self.lease_seconds
                 )
                 if claimed is None:
-                    stop.sleep(0.2)
+                    _pause(until, 0.2)
                     continue
-                lease, _ = claimed
                 tally.add("claimed")
-                stop.sleep(rng.uniform(0.05, 0.4))
-                if rng.random() < 0.5:
-                    renewed = services.renew_delivery(lease, lease_seconds=self.lease_seconds)
-                    tally.add("lost" if isinstance(renewed, LeaseLost) else "renewed")
-                if rng.random() < self.crash_rate:
-                    tally.add("crashed")  # abandons the lease; the reaper takes it back
-                    continue
-                outcome = Outcome.FAILED if rng.random() < 0.1 else Outcome.FINISHED
-                result = services.finish_delivery(lease, outcome)
-                tally.add("lost" if isinstance(result, LeaseLost) else outcome.value)
+                _pause(until, rng.uniform(0.05, 0.4))
+                tally.add("crashed")  # the lease is left to run out
+                _pause(until, self.restart_seconds)
         except Exception:
-            logger.exception("simulated agent %s stopped on an error", self.target_pubkey.hex())
+            logger.exception("crashing agent %s stopped on an error", self.target_pubkey.hex())
             tally.add("errors")
         finally:
             # Each thread has its own connection; a leaked one would outlive the run.
             connections.close_all()
 
 
-def demo_agents(count: int) -> list[Agent]:
-    """``count`` agents over the demo identities of the active demo communities."""
+SimulatedAgent = Agent | CrashingAgent
+
+
+def _identities(order: list[int]) -> list[tuple[Community, int]]:
+    """(community, agent index) over the active demo communities, interleaved so a few
+    agents already spread over every active community."""
     active = Community.objects.filter(host__in=HOSTS, deletion_state=DeletionState.ACTIVE)
     communities = list(active.order_by("host"))
-    # Interleaved, so a few agents already spread over every active community.
-    identities = [
-        (c.id, agent_pubkeys(c.host)[index]) for index in range(len(AGENTS)) for c in communities
-    ]
+    return [(c, index) for index in order for c in communities]
+
+
+def demo_agents(count: int) -> list[Agent | CrashingAgent]:
+    """``count`` agents over the demo identities of the active demo communities:
+    consumers, the last one a crashing agent when there are two or more."""
+    identities = _identities(list(range(len(AGENTS))))
     if not identities:
         return []
-    return [Agent(*identities[i % len(identities)], seed=i) for i in range(count)]
+    agents: list[Agent | CrashingAgent] = []
+    for i in range(count):
+        community, index = identities[i % len(identities)]
+        kind = CrashingAgent if count >= 2 and i == count - 1 else Agent
+        agents.append(kind(community.id, agent_pubkeys(community.host)[index], seed=i))
+    return agents
+
+
+def start_agents(
+    agents: Sequence[SimulatedAgent], until: Until, tally: AgentTally
+) -> list[threading.Thread]:
+    threads = [
+        threading.Thread(target=agent.run, args=(until, tally), name=f"agent-{i}", daemon=True)
+        for i, agent in enumerate(agents)
+    ]
+    for thread in threads:
+        thread.start()
+    return threads
 
 
 def simulate_agents(
-    agents: list[Agent],
+    agents: Sequence[SimulatedAgent],
     seconds: float,
     stop: StopRequest,
     on_tick: Callable[[float, dict[str, int]], None] | None = None,
@@ -375,16 +485,16 @@ def simulate_agents(
     tally = AgentTally()
     started = time.monotonic()
     deadline = started + seconds
-    threads = [
-        threading.Thread(target=agent.run, args=(deadline, stop, tally), name=f"agent-{i}")
-        for i, agent in enumerate(agents)
-    ]
-    for thread in threads:
-        thread.start()
-    while not stop and time.monotonic() < deadline:
-        stop.sleep(min(0.5, max(0.0, deadline - time.monotonic())))
-        if on_tick is not None:
-            on_tick(min(seconds, time.monotonic() - started), tally.snapshot())
-    for thread in threads:
-        thread.join()
+
+    def until() -> bool:
+        return bool(stop) or time.monotonic() >= deadline
+
+    with quiet_simulated_failures():
+        threads = start_agents(agents, until, tally)
+        while not until():
+            stop.sleep(min(0.5, max(0.0, deadline - time.monotonic())))
+            if on_tick is not None:
+                on_tick(min(seconds, time.monotonic() - started), tally.snapshot())
+        for thread in threads:
+            thread.join()
     return tally.snapshot()

@@ -21,7 +21,9 @@ class Command(BaseCommand):
         "Create the demo communities, workflows, runs, messages and deliveries (every cause "
         "kind in every status, some leases expired, one community quiescing) through the "
         "service API. Running it again creates nothing new. --agents N --seconds S then "
-        "runs N simulated agents that claim, renew, finish and sometimes crash."
+        "runs N simulated agents: consumers (workflow_delivery.consumer) whose handler "
+        "fails one delivery in ten, and, from two agents on, one agent that crashes "
+        "(abandons its lease)."
     )
 
     def add_arguments(self, parser: ArgumentParser) -> None:
