@@ -263,11 +263,47 @@ def test_serve_demo_serves_the_admin_beside_the_reaper_until_a_signal(on_sweep):
     assert states(healthy) == {("pending", 2)}
 
 
+@pytest.mark.django_db(transaction=True)
+def test_serve_demo_runs_http_agents_that_settle_deliveries_through_the_api(on_sweep):
+    run("demo_deliveries")
+    settled = WorkflowAgentDelivery.objects.terminal()
+    before = settled.count()
+    out = StringIO()
+    deadline = time.monotonic() + 15
+
+    def stop_once_settled(record: logging.LogRecord) -> None:
+        if settled.count() >= before + 3 or time.monotonic() > deadline:
+            signal.raise_signal(signal.SIGTERM)
+
+    on_sweep(stop_once_settled)
+    call_command("serve_demo", "127.0.0.1:0", "--interval", "0.2", "--http-agents", "2", stdout=out)
+    text = out.getvalue()
+    assert "2 HTTP agents on /agents/" in text
+    counts = dict(
+        (name, int(value))
+        for name, value in re.findall(r"(\w+) (\d+)", text.split("HTTP agents stopped: ")[1])
+    )
+    assert "http_errors" not in counts
+    done = counts.get("http_finished", 0) + counts.get("http_failed", 0)
+    assert done == counts["http_claimed"]
+    assert settled.count() == before + done >= before + 3
+
+
+@pytest.mark.django_db(transaction=True)
+def test_serve_demo_without_demo_data_runs_no_http_agents(on_sweep):
+    out = StringIO()
+    on_sweep(lambda record: signal.raise_signal(signal.SIGTERM))
+    call_command("serve_demo", "127.0.0.1:0", "--interval", "0.01", stdout=out)
+    assert "0 HTTP agents" in out.getvalue()
+    assert "no active demo community: no HTTP agents" in out.getvalue()
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [
         (["nowhere"], "address must be host:port"),
         (["127.0.0.1:0", "--interval", "0"], "--interval must be a positive number"),
+        (["127.0.0.1:0", "--http-agents", "-1"], "--http-agents must be zero or more"),
     ],
 )
 def test_serve_demo_bad_arguments_are_refused(args, message):

@@ -15,7 +15,7 @@ from buzz_project.demo import data as demo
 from workflow_delivery.api import nip98
 from workflow_delivery.client import AgentClient
 from workflow_delivery.consumer import Consumer, DeliveryContext
-from workflow_delivery.exceptions import ProtocolError
+from workflow_delivery.exceptions import AgentApiError, ProtocolError
 from workflow_delivery.models import Community, WorkflowAgentDelivery
 from workflow_delivery.protocol import DeliveryRecord, Lease, Settled
 from workflow_delivery.runner import Reaper, StopRequest
@@ -122,6 +122,52 @@ def test_the_crashing_agent_abandons_its_lease_and_the_reaper_takes_it_back(alph
         time.sleep(0.1)
     Reaper(batch_size=100).sweep()
     assert row.get().status == "pending"
+
+
+def demo_client(live_server, host: str, secret_key: bytes) -> AgentClient:
+    port = int(live_server.url.rsplit(":", 1)[1])
+    return AgentClient(
+        f"http://{host}:{port}/agents/", secret_key, connect_to=("127.0.0.1", port), timeout=10
+    )
+
+
+def test_agent_client_reaches_a_demo_community_through_connect_to(alpha, live_server):
+    secret_key = demo.agent_secret(ALPHA, demo.AGENTS[2])
+    with demo_client(live_server, ALPHA, secret_key) as client:
+        lease, record = client.claim(lease_seconds=2)
+        assert record.binding.community_id == alpha.id
+        assert record.binding.target_pubkey == demo.agent_pubkeys(ALPHA)[2]
+        assert client.finish(lease, "finished") == Settled("finished")
+    assert WorkflowAgentDelivery.objects.get(id=record.id).status == "finished"
+    # Without connect_to the Host is 127.0.0.1, which serves no community.
+    with (
+        AgentClient(live_server.url + "/agents/", secret_key) as plain,
+        pytest.raises(AgentApiError) as refused,
+    ):
+        plain.claim()
+    assert (refused.value.status, refused.value.code) == (404, "unknown_community")
+
+
+def test_http_agents_settle_demo_deliveries_through_the_api(alpha, live_server):
+    port = int(live_server.url.rsplit(":", 1)[1])
+    agents = demo.http_agents(2, "127.0.0.1", port)
+    assert [a.base_url for a in agents] == [
+        f"http://alpha.demo.buzz:{port}/agents/",
+        f"http://beta.demo.buzz:{port}/agents/",
+    ]
+    settled = WorkflowAgentDelivery.objects.terminal()
+    before = settled.count()
+    stop = StopRequest()
+
+    def tick(elapsed: float, counts: dict[str, int]) -> None:
+        if counts.get("http_claimed", 0) >= 3:
+            stop.request("test")
+
+    counts = demo.simulate_agents(agents, 15.0, stop, on_tick=tick)
+    assert "http_errors" not in counts
+    done = counts.get("http_finished", 0) + counts.get("http_failed", 0)
+    assert done == counts["http_claimed"] >= 3
+    assert settled.count() == before + done
 
 
 @pytest.mark.parametrize(

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import http.client
 import logging
 import random
 import threading
@@ -28,8 +29,10 @@ from django.utils import timezone
 
 from workflow_delivery import fence, services
 from workflow_delivery.api import nip98
+from workflow_delivery.client import AgentClient
 from workflow_delivery.consumer import Consumer, ConsumerStats, DeliveryContext, Handler
 from workflow_delivery.consumer import logger as consumer_logger
+from workflow_delivery.exceptions import AgentApiError
 from workflow_delivery.models import (
     Community,
     DeletionState,
@@ -48,6 +51,7 @@ from workflow_delivery.protocol import (
     DeliveryRecord,
     EventCause,
     Lease,
+    LeaseLost,
     NewDelivery,
     Outcome,
     ScheduleCause,
@@ -60,6 +64,7 @@ logger = logging.getLogger("buzz_project.demo")
 NAMESPACE = uuid.UUID("6f1d3c1e-8a55-4d6b-9a53-2f8e0c7b9d10")
 HOSTS = ("alpha.demo.buzz", "beta.demo.buzz", "gamma.demo.buzz")
 QUIESCING_HOST = "gamma.demo.buzz"
+API_MOUNT = "/agents/"  # where buzz_project.urls mounts the agent API
 AGENTS = ("scout", "scribe", "sentry")
 WORKFLOWS = {
     "triage": CauseKind.EVENT,
@@ -438,7 +443,50 @@ class CrashingAgent:
             connections.close_all()
 
 
-SimulatedAgent = Agent | CrashingAgent
+@dataclass(frozen=True, slots=True)
+class HttpAgent:
+    """A simulated agent on the agent HTTP API: an ``AgentClient`` signing as one
+    demo identity, talking to the community's host while connecting to the local
+    server at ``connect_to``. It claims, works a moment, renews now and then and
+    finishes (one in ten failed). Between misses it asks ``wait`` for at most a
+    second: under a WSGI server every waiting request holds a server thread."""
+
+    base_url: str
+    secret_key: bytes
+    connect_to: tuple[str, int]
+    seed: int
+    lease_seconds: int = 2
+
+    def run(self, until: Until, tally: AgentTally) -> None:
+        rng = random.Random(self.seed)
+        with AgentClient(self.base_url, self.secret_key, connect_to=self.connect_to) as client:
+            while not until():
+                try:
+                    self._one(client, rng, until, tally)
+                except (OSError, http.client.HTTPException, AgentApiError) as exc:
+                    logger.warning("HTTP agent at %s: %s; retrying in 1 s", self.base_url, exc)
+                    tally.add("http_errors")
+                    _pause(until, 1.0)
+
+    def _one(
+        self, client: AgentClient, rng: random.Random, until: Until, tally: AgentTally
+    ) -> None:
+        claimed = client.claim(lease_seconds=self.lease_seconds)
+        if claimed is None:
+            client.wait(timeout=1)
+            return
+        lease, _record = claimed
+        tally.add("http_claimed")
+        _pause(until, rng.uniform(0.05, 0.4))
+        if rng.random() < 0.5:
+            renewed = client.renew(lease, lease_seconds=self.lease_seconds)
+            tally.add("http_lost" if isinstance(renewed, LeaseLost) else "http_renewed")
+        outcome = Outcome.FAILED if rng.random() < 0.1 else Outcome.FINISHED
+        result = client.finish(lease, outcome)
+        tally.add("http_lost" if isinstance(result, LeaseLost) else f"http_{outcome.value}")
+
+
+SimulatedAgent = Agent | CrashingAgent | HttpAgent
 
 
 def _identities(order: list[int]) -> list[tuple[Community, int]]:
@@ -460,6 +508,27 @@ def demo_agents(count: int) -> list[Agent | CrashingAgent]:
         community, index = identities[i % len(identities)]
         kind = CrashingAgent if count >= 2 and i == count - 1 else Agent
         agents.append(kind(community.id, agent_pubkeys(community.host)[index], seed=i))
+    return agents
+
+
+def http_agents(count: int, address: str, port: int) -> list[HttpAgent]:
+    """``count`` HTTP agents over the demo identities (the last agents of each
+    community first, so they differ from a few ``demo_agents``), for the demo
+    server listening at ``address:port``."""
+    identities = _identities(list(reversed(range(len(AGENTS)))))
+    if not identities:
+        return []
+    agents = []
+    for i in range(count):
+        community, index = identities[i % len(identities)]
+        agents.append(
+            HttpAgent(
+                f"http://{community.host}:{port}{API_MOUNT}",
+                agent_secret(community.host, AGENTS[index]),
+                (address, port),
+                seed=i,
+            )
+        )
     return agents
 
 
