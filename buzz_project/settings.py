@@ -50,7 +50,8 @@ if not SECRET_KEY:
     # Local use only: a key of this process alone, never a published one.
     SECRET_KEY = secrets.token_urlsafe(50)
 
-ALLOWED_HOSTS = _read("ALLOWED_HOSTS", list, ["127.0.0.1", "localhost", "[::1]"])
+# The demo communities' hosts too: serve_demo's HTTP agents send them as Host.
+ALLOWED_HOSTS = _read("ALLOWED_HOSTS", list, ["127.0.0.1", "localhost", "[::1]", ".demo.buzz"])
 
 # HTTPS: on by default whenever DEBUG is off, so `manage.py check --deploy` is quiet;
 # each can be turned off (or, with DEBUG, on) from the environment.

@@ -6,6 +6,7 @@ import json
 import logging
 import re
 import signal
+import time
 import urllib.request
 from collections.abc import Callable, Iterator
 from io import StringIO
@@ -262,11 +263,47 @@ def test_serve_demo_serves_the_admin_beside_the_reaper_until_a_signal(on_sweep):
     assert states(healthy) == {("pending", 2)}
 
 
+@pytest.mark.django_db(transaction=True)
+def test_serve_demo_runs_http_agents_that_settle_deliveries_through_the_api(on_sweep):
+    run("demo_deliveries")
+    settled = WorkflowAgentDelivery.objects.terminal()
+    before = settled.count()
+    out = StringIO()
+    deadline = time.monotonic() + 15
+
+    def stop_once_settled(record: logging.LogRecord) -> None:
+        if settled.count() >= before + 3 or time.monotonic() > deadline:
+            signal.raise_signal(signal.SIGTERM)
+
+    on_sweep(stop_once_settled)
+    call_command("serve_demo", "127.0.0.1:0", "--interval", "0.2", "--http-agents", "2", stdout=out)
+    text = out.getvalue()
+    assert "2 HTTP agents on /agents/" in text
+    counts = dict(
+        (name, int(value))
+        for name, value in re.findall(r"(\w+) (\d+)", text.split("HTTP agents stopped: ")[1])
+    )
+    assert "http_errors" not in counts
+    done = counts.get("http_finished", 0) + counts.get("http_failed", 0)
+    assert done == counts["http_claimed"]
+    assert settled.count() == before + done >= before + 3
+
+
+@pytest.mark.django_db(transaction=True)
+def test_serve_demo_without_demo_data_runs_no_http_agents(on_sweep):
+    out = StringIO()
+    on_sweep(lambda record: signal.raise_signal(signal.SIGTERM))
+    call_command("serve_demo", "127.0.0.1:0", "--interval", "0.01", stdout=out)
+    assert "0 HTTP agents" in out.getvalue()
+    assert "no active demo community: no HTTP agents" in out.getvalue()
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [
         (["nowhere"], "address must be host:port"),
         (["127.0.0.1:0", "--interval", "0"], "--interval must be a positive number"),
+        (["127.0.0.1:0", "--http-agents", "-1"], "--http-agents must be zero or more"),
     ],
 )
 def test_serve_demo_bad_arguments_are_refused(args, message):
@@ -358,6 +395,23 @@ def test_demo_deliveries_is_idempotent():
 
 
 @pytest.mark.django_db(transaction=True)
+def test_demo_data_of_older_agent_keys_is_left_alone(raw):
+    run("demo_deliveries")
+    alpha = demo.demo_uuid("alpha.demo.buzz")
+    # As an older demo stored it: a target that is no agent's public key.
+    raw.execute(
+        "UPDATE workflow_agent_deliveries SET target_pubkey = %s WHERE id = "
+        "(SELECT id FROM workflow_agent_deliveries WHERE community_id = %s LIMIT 1)",
+        [demo.demo_key("alpha.demo.buzz", "agent", "scout"), alpha],
+    )
+    snapshot = demo_snapshot()
+    out = run("demo_deliveries")
+    assert "alpha.demo.buzz holds deliveries of an older demo's agent keys" in out
+    assert "(0 deliveries new)" in out
+    assert demo_snapshot() == snapshot
+
+
+@pytest.mark.django_db(transaction=True)
 def test_demo_superuser_is_created_then_its_password_reset(monkeypatch, settings):
     settings.PASSWORD_HASHERS = ["django.contrib.auth.hashers.MD5PasswordHasher"]
     monkeypatch.setenv("DEMO_ADMIN_PASSWORD", "first-secret")
@@ -378,14 +432,24 @@ def test_simulated_agents_settle_deliveries_and_close_their_connections():
     settled_before = WorkflowAgentDelivery.objects.terminal().count()
     out = run("demo_deliveries", "--agents", "3", "--seconds", "0.5", verbosity=0)
     assert "agents done: claimed " in out
+    assert "crashed 1" in out  # the third agent claims once, then abandons the lease
     assert "errors" not in out
     assert WorkflowAgentDelivery.objects.terminal().count() > settled_before
+    # A backend leaves pg_stat_activity a moment after its client hung up; a leaked
+    # connection stays.
+    deadline = time.monotonic() + 3
+    while other_sessions() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert other_sessions() == 0
+
+
+def other_sessions() -> int:
     with connection.cursor() as cursor:
         cursor.execute(
             "SELECT count(*) FROM pg_stat_activity "
             "WHERE datname = current_database() AND pid <> pg_backend_pid()"
         )
-        assert cursor.fetchone()[0] == 0
+        return cursor.fetchone()[0]
 
 
 @pytest.mark.parametrize(

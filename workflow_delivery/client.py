@@ -56,13 +56,41 @@ def _secret(value: bytes | str) -> bytes:
     return value
 
 
+def _address(value: object) -> tuple[str, int]:
+    if not (isinstance(value, tuple) and len(value) == 2):
+        raise ProtocolError("connect_to", f"must be an (address, port) pair, not {value!r}")
+    address, port = value
+    if not (isinstance(address, str) and address):
+        raise ProtocolError("connect_to", f"the address must be a host name or IP: {address!r}")
+    if isinstance(port, bool) or not isinstance(port, int) or not 0 < port < 65536:
+        raise ProtocolError("connect_to", f"the port must be 1 to 65535, not {port!r}")
+    return address, port
+
+
 class AgentClient:
     """One agent (one key) talking to one community's agent API at ``base_url``."""
 
-    def __init__(self, base_url: str, secret_key: bytes | str, *, timeout: float = 30.0) -> None:
+    def __init__(
+        self,
+        base_url: str,
+        secret_key: bytes | str,
+        *,
+        timeout: float = 30.0,
+        connect_to: tuple[str, int] | None = None,
+    ) -> None:
+        """``connect_to=(address, port)`` opens the connections there instead of at the
+        URL's host, while the Host header and the signed URL stay those of
+        ``base_url``: a community's host served by a local server (plain http only,
+        since a certificate would be checked against the address)."""
         parts = urlsplit(base_url)
         if parts.scheme not in ("http", "https") or not parts.netloc:
             raise ProtocolError("base_url", f"must be an absolute http(s) URL, not {base_url!r}")
+        if connect_to is not None:
+            address, port = _address(connect_to)
+            if parts.scheme != "http":
+                raise ProtocolError("connect_to", "works with an http:// base_url only")
+            connect_to = (address, port)
+        self.connect_to = connect_to
         self.base_url = base_url if base_url.endswith("/") else base_url + "/"
         self._parts = urlsplit(self.base_url)
         self._secret = _secret(secret_key)
@@ -91,7 +119,10 @@ class AgentClient:
                 if self._parts.scheme == "https"
                 else http.client.HTTPConnection
             )
-            self._connection = factory(self._parts.netloc, timeout=timeout)
+            if self.connect_to is None:
+                self._connection = factory(self._parts.netloc, timeout=timeout)
+            else:
+                self._connection = factory(*self.connect_to, timeout=timeout)
         self._connection.timeout = timeout
         if self._connection.sock is not None:
             self._connection.sock.settimeout(timeout)

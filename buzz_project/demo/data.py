@@ -8,15 +8,18 @@ changes nothing either.
 
 from __future__ import annotations
 
+import functools
 import hashlib
+import http.client
 import logging
 import random
 import threading
 import time
 import uuid
 from collections import Counter
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field, fields
 from datetime import timedelta
 from uuid import UUID
 
@@ -25,6 +28,11 @@ from django.db import DEFAULT_DB_ALIAS, connections
 from django.utils import timezone
 
 from workflow_delivery import fence, services
+from workflow_delivery.api import nip98
+from workflow_delivery.client import AgentClient
+from workflow_delivery.consumer import Consumer, ConsumerStats, DeliveryContext, Handler
+from workflow_delivery.consumer import logger as consumer_logger
+from workflow_delivery.exceptions import AgentApiError
 from workflow_delivery.models import (
     Community,
     DeletionState,
@@ -40,7 +48,9 @@ from workflow_delivery.protocol import (
     Cause,
     CauseKind,
     DeliveryBinding,
+    DeliveryRecord,
     EventCause,
+    Lease,
     LeaseLost,
     NewDelivery,
     Outcome,
@@ -54,6 +64,7 @@ logger = logging.getLogger("buzz_project.demo")
 NAMESPACE = uuid.UUID("6f1d3c1e-8a55-4d6b-9a53-2f8e0c7b9d10")
 HOSTS = ("alpha.demo.buzz", "beta.demo.buzz", "gamma.demo.buzz")
 QUIESCING_HOST = "gamma.demo.buzz"
+API_MOUNT = "/agents/"  # where buzz_project.urls mounts the agent API
 AGENTS = ("scout", "scribe", "sentry")
 WORKFLOWS = {
     "triage": CauseKind.EVENT,
@@ -77,14 +88,27 @@ def demo_key(*parts: str) -> bytes:
     return hashlib.sha256(":".join(("buzz-demo", *parts)).encode()).digest()
 
 
+def agent_secret(host: str, name: str) -> bytes:
+    """The secp256k1 secret key of a demo agent (a sha256 digest is a valid one with
+    overwhelming odds); its x-only public key is the delivery target, so the agent
+    can sign API requests as itself."""
+    return demo_key(host, "agent", name)
+
+
+@functools.cache
+def _agent_pubkeys(host: str) -> tuple[bytes, ...]:
+    return tuple(nip98.public_key(agent_secret(host, name)) for name in AGENTS)
+
+
 def agent_pubkeys(host: str) -> list[bytes]:
-    return [demo_key(host, "agent", name) for name in AGENTS]
+    return list(_agent_pubkeys(host))
 
 
 @dataclass
 class DemoReport:
     created: Counter = field(default_factory=Counter)
     skipped_hosts: list[str] = field(default_factory=list)
+    stale_hosts: list[str] = field(default_factory=list)
     quiesced_hosts: list[str] = field(default_factory=list)
 
     def totals(self) -> dict[str, int]:
@@ -235,6 +259,14 @@ def _load_community(report: DemoReport, host: str, expiring: list[UUID]) -> None
         # Its data was loaded before it was fenced, and a fenced tenant takes no writes.
         report.skipped_hosts.append(host)
         return
+    stale = WorkflowAgentDelivery.objects.filter(community=community).exclude(
+        target_pubkey__in=agent_pubkeys(host)
+    )
+    if stale.exists():
+        # Loaded by an older demo whose agent keys were not signing keys: its
+        # messages name those targets, so new deliveries could not be bound to them.
+        report.stale_hosts.append(host)
+        return
     for flow_index, (flow_name, cause_kind) in enumerate(WORKFLOWS.items()):
         _load_workflow(report, community, flow_index, flow_name, cause_kind, expiring)
 
@@ -275,75 +307,245 @@ def ensure_superuser(username: str, password: str) -> bool:
     return created
 
 
+class SimulatedFailure(Exception):
+    """Raised by a simulated handler for the one delivery in ten it fails."""
+
+
+class _QuietSimulatedFailures(logging.Filter):
+    """Keeps the consumer's traceback of a simulated failure off the console (the
+    progress line counts it); any other handler error is still logged."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.exc_info and isinstance(record.exc_info[1], SimulatedFailure))
+
+
+@contextmanager
+def quiet_simulated_failures() -> Iterator[None]:
+    quiet = _QuietSimulatedFailures()
+    consumer_logger.addFilter(quiet)
+    try:
+        yield
+    finally:
+        consumer_logger.removeFilter(quiet)
+
+
 class AgentTally:
-    """Counts of what the simulated agents did, shared between their threads."""
+    """Counts of what the simulated agents did, shared between their threads: the
+    consumers' own stats plus what the other agents add."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self.counts: Counter = Counter()
+        self._consumers: list[ConsumerStats] = []
 
     def add(self, what: str) -> None:
         with self._lock:
             self.counts[what] += 1
 
+    def watch(self, stats: ConsumerStats) -> None:
+        with self._lock:
+            self._consumers.append(stats)
+
     def snapshot(self) -> dict[str, int]:
         with self._lock:
-            return dict(self.counts)
+            counts = Counter(self.counts)
+            for stats in self._consumers:
+                for name in CONSUMER_COUNTS:
+                    counts[name] += getattr(stats, name)
+        return {name: value for name, value in counts.items() if value}
+
+
+CONSUMER_COUNTS = tuple(f.name for f in fields(ConsumerStats))
+Until = Callable[[], bool]
+
+
+def _pause(until: Until, seconds: float) -> None:
+    deadline = time.monotonic() + seconds
+    while not until() and (remaining := deadline - time.monotonic()) > 0:
+        time.sleep(min(remaining, 0.05))
 
 
 @dataclass(frozen=True, slots=True)
 class Agent:
+    """A simulated agent: a ``Consumer`` of one demo identity. Its handler works a
+    moment, fails one delivery in ten by raising, and settles half of the others
+    itself inside ``holding()`` (a lease-fenced settle); the consumer settles the
+    rest, renews the leases and hands back what is in flight when it stops."""
+
     community_id: UUID
     target_pubkey: bytes
     seed: int
-    crash_rate: float = 0.15
     lease_seconds: int = 2
 
-    def run(self, deadline: float, stop: StopRequest, tally: AgentTally) -> None:
+    def handler(self, rng: random.Random) -> Handler:
+        def handle(record: DeliveryRecord, lease: Lease, context: DeliveryContext) -> None:
+            context.stopping.wait(rng.uniform(0.05, 0.4))  # the work; cut short at stop
+            if rng.random() < 0.1:
+                raise SimulatedFailure(f"simulated failure on {record.id}")
+            if rng.random() < 0.5:
+                with context.holding() as held:
+                    held.finish(Outcome.FINISHED)
+
+        return handle
+
+    def run(self, until: Until, tally: AgentTally) -> None:
+        try:
+            consumer = Consumer(
+                self.community_id,
+                [self.target_pubkey],
+                self.handler(random.Random(self.seed)),
+                lease_seconds=self.lease_seconds,
+                poll_interval=0.2,
+                grace_seconds=1.0,
+            )
+            tally.watch(consumer.stats)
+            consumer.run(stop=until)
+        except Exception:
+            logger.exception("simulated agent %s stopped on an error", self.target_pubkey.hex())
+            tally.add("errors")
+        finally:
+            connections.close_all()
+
+
+@dataclass(frozen=True, slots=True)
+class CrashingAgent:
+    """The agent that crashes, kept beside the consumers: a ``Consumer`` hands its
+    leases back when it stops, so it cannot show a crash. This one claims through the
+    service calls, works a moment, then abandons the lease as a killed process would
+    and restarts a second later; the lease runs out and a running reaper returns the
+    delivery to pending for another agent."""
+
+    community_id: UUID
+    target_pubkey: bytes
+    seed: int
+    lease_seconds: int = 2
+    restart_seconds: float = 1.0
+
+    def run(self, until: Until, tally: AgentTally) -> None:
         rng = random.Random(self.seed)
         try:
-            while not stop and time.monotonic() < deadline:
+            while not until():
                 claimed = services.claim_delivery(
                     self.community_id, self.target_pubkey, lease_seconds=self.lease_seconds
                 )
                 if claimed is None:
-                    stop.sleep(0.2)
+                    _pause(until, 0.2)
                     continue
-                lease, _ = claimed
                 tally.add("claimed")
-                stop.sleep(rng.uniform(0.05, 0.4))
-                if rng.random() < 0.5:
-                    renewed = services.renew_delivery(lease, lease_seconds=self.lease_seconds)
-                    tally.add("lost" if isinstance(renewed, LeaseLost) else "renewed")
-                if rng.random() < self.crash_rate:
-                    tally.add("crashed")  # abandons the lease; the reaper takes it back
-                    continue
-                outcome = Outcome.FAILED if rng.random() < 0.1 else Outcome.FINISHED
-                result = services.finish_delivery(lease, outcome)
-                tally.add("lost" if isinstance(result, LeaseLost) else outcome.value)
+                _pause(until, rng.uniform(0.05, 0.4))
+                tally.add("crashed")  # the lease is left to run out
+                _pause(until, self.restart_seconds)
         except Exception:
-            logger.exception("simulated agent %s stopped on an error", self.target_pubkey.hex())
+            logger.exception("crashing agent %s stopped on an error", self.target_pubkey.hex())
             tally.add("errors")
         finally:
             # Each thread has its own connection; a leaked one would outlive the run.
             connections.close_all()
 
 
-def demo_agents(count: int) -> list[Agent]:
-    """``count`` agents over the demo identities of the active demo communities."""
+@dataclass(frozen=True, slots=True)
+class HttpAgent:
+    """A simulated agent on the agent HTTP API: an ``AgentClient`` signing as one
+    demo identity, talking to the community's host while connecting to the local
+    server at ``connect_to``. It claims, works a moment, renews now and then and
+    finishes (one in ten failed). Between misses it asks ``wait`` for at most a
+    second: under a WSGI server every waiting request holds a server thread."""
+
+    base_url: str
+    secret_key: bytes
+    connect_to: tuple[str, int]
+    seed: int
+    lease_seconds: int = 2
+
+    def run(self, until: Until, tally: AgentTally) -> None:
+        rng = random.Random(self.seed)
+        with AgentClient(self.base_url, self.secret_key, connect_to=self.connect_to) as client:
+            while not until():
+                try:
+                    self._one(client, rng, until, tally)
+                except (OSError, http.client.HTTPException, AgentApiError) as exc:
+                    logger.warning("HTTP agent at %s: %s; retrying in 1 s", self.base_url, exc)
+                    tally.add("http_errors")
+                    _pause(until, 1.0)
+
+    def _one(
+        self, client: AgentClient, rng: random.Random, until: Until, tally: AgentTally
+    ) -> None:
+        claimed = client.claim(lease_seconds=self.lease_seconds)
+        if claimed is None:
+            client.wait(timeout=1)
+            return
+        lease, _record = claimed
+        tally.add("http_claimed")
+        _pause(until, rng.uniform(0.05, 0.4))
+        if rng.random() < 0.5:
+            renewed = client.renew(lease, lease_seconds=self.lease_seconds)
+            tally.add("http_lost" if isinstance(renewed, LeaseLost) else "http_renewed")
+        outcome = Outcome.FAILED if rng.random() < 0.1 else Outcome.FINISHED
+        result = client.finish(lease, outcome)
+        tally.add("http_lost" if isinstance(result, LeaseLost) else f"http_{outcome.value}")
+
+
+SimulatedAgent = Agent | CrashingAgent | HttpAgent
+
+
+def _identities(order: list[int]) -> list[tuple[Community, int]]:
+    """(community, agent index) over the active demo communities, interleaved so a few
+    agents already spread over every active community."""
     active = Community.objects.filter(host__in=HOSTS, deletion_state=DeletionState.ACTIVE)
     communities = list(active.order_by("host"))
-    # Interleaved, so a few agents already spread over every active community.
-    identities = [
-        (c.id, agent_pubkeys(c.host)[index]) for index in range(len(AGENTS)) for c in communities
-    ]
+    return [(c, index) for index in order for c in communities]
+
+
+def demo_agents(count: int) -> list[Agent | CrashingAgent]:
+    """``count`` agents over the demo identities of the active demo communities:
+    consumers, the last one a crashing agent when there are two or more."""
+    identities = _identities(list(range(len(AGENTS))))
     if not identities:
         return []
-    return [Agent(*identities[i % len(identities)], seed=i) for i in range(count)]
+    agents: list[Agent | CrashingAgent] = []
+    for i in range(count):
+        community, index = identities[i % len(identities)]
+        kind = CrashingAgent if count >= 2 and i == count - 1 else Agent
+        agents.append(kind(community.id, agent_pubkeys(community.host)[index], seed=i))
+    return agents
+
+
+def http_agents(count: int, address: str, port: int) -> list[HttpAgent]:
+    """``count`` HTTP agents over the demo identities (the last agents of each
+    community first, so they differ from a few ``demo_agents``), for the demo
+    server listening at ``address:port``."""
+    identities = _identities(list(reversed(range(len(AGENTS)))))
+    if not identities:
+        return []
+    agents = []
+    for i in range(count):
+        community, index = identities[i % len(identities)]
+        agents.append(
+            HttpAgent(
+                f"http://{community.host}:{port}{API_MOUNT}",
+                agent_secret(community.host, AGENTS[index]),
+                (address, port),
+                seed=i,
+            )
+        )
+    return agents
+
+
+def start_agents(
+    agents: Sequence[SimulatedAgent], until: Until, tally: AgentTally
+) -> list[threading.Thread]:
+    threads = [
+        threading.Thread(target=agent.run, args=(until, tally), name=f"agent-{i}", daemon=True)
+        for i, agent in enumerate(agents)
+    ]
+    for thread in threads:
+        thread.start()
+    return threads
 
 
 def simulate_agents(
-    agents: list[Agent],
+    agents: Sequence[SimulatedAgent],
     seconds: float,
     stop: StopRequest,
     on_tick: Callable[[float, dict[str, int]], None] | None = None,
@@ -352,16 +554,16 @@ def simulate_agents(
     tally = AgentTally()
     started = time.monotonic()
     deadline = started + seconds
-    threads = [
-        threading.Thread(target=agent.run, args=(deadline, stop, tally), name=f"agent-{i}")
-        for i, agent in enumerate(agents)
-    ]
-    for thread in threads:
-        thread.start()
-    while not stop and time.monotonic() < deadline:
-        stop.sleep(min(0.5, max(0.0, deadline - time.monotonic())))
-        if on_tick is not None:
-            on_tick(min(seconds, time.monotonic() - started), tally.snapshot())
-    for thread in threads:
-        thread.join()
+
+    def until() -> bool:
+        return bool(stop) or time.monotonic() >= deadline
+
+    with quiet_simulated_failures():
+        threads = start_agents(agents, until, tally)
+        while not until():
+            stop.sleep(min(0.5, max(0.0, deadline - time.monotonic())))
+            if on_tick is not None:
+                on_tick(min(seconds, time.monotonic() - started), tally.snapshot())
+        for thread in threads:
+            thread.join()
     return tally.snapshot()

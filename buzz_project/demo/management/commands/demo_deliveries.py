@@ -21,7 +21,9 @@ class Command(BaseCommand):
         "Create the demo communities, workflows, runs, messages and deliveries (every cause "
         "kind in every status, some leases expired, one community quiescing) through the "
         "service API. Running it again creates nothing new. --agents N --seconds S then "
-        "runs N simulated agents that claim, renew, finish and sometimes crash."
+        "runs N simulated agents: consumers (workflow_delivery.consumer) whose handler "
+        "fails one delivery in ten, and, from two agents on, one agent that crashes "
+        "(abandons its lease)."
     )
 
     def add_arguments(self, parser: ArgumentParser) -> None:
@@ -51,6 +53,11 @@ class Command(BaseCommand):
         )
         for host in report.skipped_hosts:
             self.stdout.write(f"{host} is not active: left as it is")
+        for host in report.stale_hosts:
+            self.stdout.write(
+                f"{host} holds deliveries of an older demo's agent keys: left as it is "
+                "(recreate the database to reload it)"
+            )
         for host in report.quiesced_hosts:
             self.stdout.write(f"{host} moved to quiescing")
         if agents:
