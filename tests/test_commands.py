@@ -264,6 +264,7 @@ def test_serve_demo_serves_the_admin_beside_the_reaper_until_a_signal(on_sweep):
 
 
 @pytest.mark.django_db(transaction=True)
+@pytest.mark.psycopg3  # the agent API's wait listens with psycopg 3
 def test_serve_demo_runs_http_agents_that_settle_deliveries_through_the_api(on_sweep):
     run("demo_deliveries")
     settled = WorkflowAgentDelivery.objects.terminal()

@@ -131,6 +131,7 @@ def demo_client(live_server, host: str, secret_key: bytes) -> AgentClient:
     )
 
 
+@pytest.mark.psycopg3  # the agent API's wait listens with psycopg 3
 def test_agent_client_reaches_a_demo_community_through_connect_to(alpha, live_server):
     secret_key = demo.agent_secret(ALPHA, demo.AGENTS[2])
     with demo_client(live_server, ALPHA, secret_key) as client:
@@ -148,6 +149,7 @@ def test_agent_client_reaches_a_demo_community_through_connect_to(alpha, live_se
     assert (refused.value.status, refused.value.code) == (404, "unknown_community")
 
 
+@pytest.mark.psycopg3  # the agent API's wait listens with psycopg 3
 def test_http_agents_settle_demo_deliveries_through_the_api(alpha, live_server):
     port = int(live_server.url.rsplit(":", 1)[1])
     agents = demo.http_agents(2, "127.0.0.1", port)

@@ -156,9 +156,12 @@ class ReadOnlyAdmin(admin.ModelAdmin):
     def get_changelist(self, request: HttpRequest, **kwargs: Any) -> type[ChangeList]:
         return GuardedChangeList
 
-    def response_action(self, request: HttpRequest, queryset: QuerySet) -> HttpResponse | None:
+    def response_action(
+        self, request: HttpRequest, queryset: QuerySet, *args: Any, **kwargs: Any
+    ) -> HttpResponse | None:
         """Refuse an action request that names something other than a key (400) or
-        more rows than one request acts on (a message, nothing done)."""
+        more rows than one request acts on (a message, nothing done). Django 6.1 passes
+        more arguments (``action_location``); they go on to Django unchanged."""
         selected = request.POST.getlist(helpers.ACTION_CHECKBOX_NAME)
         for value in selected:
             try:
@@ -178,7 +181,7 @@ class ReadOnlyAdmin(admin.ModelAdmin):
                 messages.ERROR,
             )
             return None
-        return super().response_action(request, queryset)
+        return super().response_action(request, queryset, *args, **kwargs)
 
     def has_add_permission(self, request: HttpRequest, obj: Model | None = None) -> bool:
         return False
