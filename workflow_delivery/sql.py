@@ -153,26 +153,36 @@ SELECT pg_notify(%s, payload) FROM no_flush, unnest(%s::text[]) AS payload
 # by now() an expired lease could renew itself or a claim hand out a dead lease.
 
 
+# A claim stamps its lease by clock_timestamp(), the moment the row is taken: a claim
+# statement that began before the row was last reaped can still take it (the locking
+# read re-checks the newest version), and its own start would then date the new lease
+# before the end of the one it replaces. One stamp per statement, read once every row
+# it takes is locked (it depends on ``picked``).
+_STAMP = "stamp AS (SELECT clock_timestamp() AS at FROM (SELECT count(*) FROM picked) AS taken)"
+
+
 def claim_statement(select_sql: str) -> str:
     """Turn the claim queryset's locking ``SELECT id … FOR UPDATE SKIP LOCKED`` into
     one statement that also marks the winner claimed and returns it."""
     return f"""
-WITH picked AS ({select_sql})
+WITH picked AS ({select_sql}),
+{_STAMP}
 UPDATE {DELIVERIES} AS d
    SET status = 'claimed',
        lease_generation = d.lease_generation + 1,
-       claimed_at = statement_timestamp(),
-       lease_until = statement_timestamp() + make_interval(secs => %s)
-  FROM picked
+       claimed_at = stamp.at,
+       lease_until = stamp.at + make_interval(secs => %s)
+  FROM picked, stamp
  WHERE d.id = picked.id
 RETURNING {_RETURNING}
 """
 
 
 # Batch claim: up to a limit of the target's oldest pending rows in one statement,
-# each with its own (incremented) generation. ``statement_timestamp()``: inside a
-# caller's long transaction the lease starts when the claim runs, not when the
-# transaction began. The literal 'pending' lets a generic plan use the claim index.
+# each with its own (incremented) generation, stamped by clock_timestamp() as the
+# single claim is: inside a caller's long transaction the lease starts when the claim
+# takes the row, not when the transaction began. The literal 'pending' lets a generic
+# plan use the claim index.
 CLAIM_BATCH = f"""
 WITH picked AS (
     SELECT id FROM {DELIVERIES}
@@ -180,13 +190,14 @@ WITH picked AS (
      ORDER BY created_at, id
      LIMIT %s
      FOR UPDATE SKIP LOCKED
-)
+),
+{_STAMP}
 UPDATE {DELIVERIES} AS d
    SET status = 'claimed',
        lease_generation = d.lease_generation + 1,
-       claimed_at = statement_timestamp(),
-       lease_until = statement_timestamp() + make_interval(secs => %s)
-  FROM picked
+       claimed_at = stamp.at,
+       lease_until = stamp.at + make_interval(secs => %s)
+  FROM picked, stamp
  WHERE d.id = picked.id
 RETURNING {_RETURNING}
 """
