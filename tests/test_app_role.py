@@ -11,7 +11,7 @@ import pytest
 from django.db import DatabaseError, connection, transaction
 
 from tests import factories
-from workflow_delivery import fence, services
+from workflow_delivery import errors, fence, services
 from workflow_delivery.models import Community, WorkflowAgentDelivery
 from workflow_delivery.protocol import Outcome, Settled
 
@@ -93,5 +93,5 @@ def test_the_role_cannot_step_around_the_triggers(app_role, bypass):
     factories.committed(step)
     with pytest.raises(DatabaseError) as caught, transaction.atomic():
         run(bypass)
-    assert caught.value.__cause__.sqlstate == "42501"  # insufficient_privilege
+    assert errors.sqlstate(caught.value) == "42501"  # insufficient_privilege
     assert WorkflowAgentDelivery.objects.filter(run=step.run).count() == 1

@@ -52,6 +52,7 @@ def test_harness_runs_and_drops_its_database(db, tmp_path: Path) -> None:
         assert cursor.fetchone()[0] == 0
 
 
+@pytest.mark.psycopg3  # the bench harness drives psycopg 3
 @pytest.mark.slow
 @pytest.mark.parametrize("server", ["uvicorn", "gunicorn"])
 def test_api_bench_runs_and_drops_its_database(db, tmp_path: Path, server: str) -> None:

@@ -74,6 +74,7 @@ def test_data_coming_in_is_still_validated(db):
     assert caught.value.field == "step_id"
 
 
+@pytest.mark.psycopg3  # the reused cursor is psycopg 3's
 def test_a_scope_inside_another_gets_its_own_cursor(db):
     with delivery_db.cursor("default") as outer:
         outer.execute("SELECT generate_series(1, 3)")
@@ -151,6 +152,7 @@ def test_settings_are_read_again_after_an_override(db):
     assert app_settings.DEFAULT_LEASE_SECONDS == 60
 
 
+@pytest.mark.psycopg3  # the reused cursor is psycopg 3's
 def test_the_reused_cursor_serves_again_after_a_refused_statement(db):
     healthy, frozen = factories.Step(), factories.Step()
     factories.committed(healthy)

@@ -100,6 +100,7 @@ def consumer_for(step: factories.Step, handler, **options: Any) -> Consumer:
     return Consumer(step.community.id, step.targets, handler, **options)
 
 
+@pytest.mark.psycopg3  # wake-ups and session kills use psycopg 3
 def test_a_wake_up_claims_at_once_despite_a_long_poll(db):
     step = factories.Step(targets=1)
     handler = Recorder()
@@ -114,6 +115,7 @@ def test_a_wake_up_claims_at_once_despite_a_long_poll(db):
     assert running.stats.finished == 1
 
 
+@pytest.mark.psycopg3  # wake-ups and session kills use psycopg 3
 def test_with_notifications_off_a_poll_still_claims(db, settings):
     settings.WORKFLOW_DELIVERY_NOTIFY = False
     step = factories.Step(targets=2)
@@ -243,6 +245,7 @@ def test_bad_targets_and_handler_are_refused(db):
         Consumer(step.community.id, step.targets, 42)  # type: ignore[arg-type]
 
 
+@pytest.mark.psycopg3  # wake-ups and session kills use psycopg 3
 def test_it_reconnects_after_its_sessions_are_killed(db):
     step = factories.Step(targets=1)
     handler = Recorder()
