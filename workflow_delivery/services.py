@@ -424,10 +424,7 @@ class Held:
         """Settle the delivery in the block's transaction: it commits with the block's
         other writes. Raises ``LeaseLostError`` if the lease ran out during the block
         (the block then rolls back, even if the caller catches it)."""
-        try:
-            outcome = Outcome(outcome)
-        except ValueError:
-            raise ProtocolError("outcome", f"must be finished or failed, not {outcome!r}") from None
+        outcome = _outcome(outcome)
         if self.settled is not None:
             raise ProtocolError("outcome", "this block has already settled its delivery")
         with db.cursor(self._using, savepoint=False) as cursor:
