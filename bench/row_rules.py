@@ -1,7 +1,8 @@
 """What each rule costs a producer's row: 100-target steps inserted through the
 service's statement, then again with one group of rules taken away at a time (on a
-private, throw-away database): the fence trigger, the composite foreign keys, the
-secondary indexes. Each line reports µs per row and the share of the full cost.
+private, throw-away database): the timeline's "committed" row, the fence trigger, the
+one-message-per-step trigger, the composite foreign keys, the secondary indexes. Each
+line reports µs per row and the share of the full cost.
 
     .venv/bin/python bench/row_rules.py --steps 200 --targets 100
 """
@@ -49,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
     with common.bench_database("buzz_rules", quiet=True) as db:
         from workflow_delivery import sql
 
-        statement = sql.lock_and_insert_deliveries(args.targets)
+        statement = sql.LOCK_AND_INSERT_DELIVERIES
         with db.connect() as conn:
             tenant = common.create_tenant(conn, "rules")
             keys = conn.execute(FOREIGN_KEYS).fetchall()
@@ -58,17 +59,20 @@ def main(argv: list[str] | None = None) -> int:
         targets = [n.to_bytes(32, "big") for n in range(args.targets)]
 
         def run(label: str, conn) -> float:
-            conn.execute(f"TRUNCATE {TABLE}")
+            conn.execute(f"TRUNCATE {TABLE}, workflow_delivery_timeline")
             started = time.perf_counter()
             for step in tqdm(range(args.steps), desc=label, leave=False):
                 step_id = f"{label}-{step}"
-                params: list[object] = [str(t.community_id), str(t.run_id), step_id]
-                for target in targets:
-                    params += [
+                rows = [
+                    [
                         uuid.uuid4(), t.community_id, t.workflow_id, t.run_id, step_id,
                         target, t.definition_id, t.message_id, t.message_created_at,
                         "event", t.cause_id, None, None,
                     ]  # fmt: skip
+                    for target in targets
+                ]
+                lock = [str(t.community_id), str(t.run_id), step_id]
+                params = [*lock, t.community_id, *(list(column) for column in zip(*rows, strict=True))]
                 with conn.transaction():
                     conn.execute(statement, params, prepare=True)
             return (time.perf_counter() - started) / (args.steps * args.targets) * 1e6
@@ -77,8 +81,13 @@ def main(argv: list[str] | None = None) -> int:
         with db.connect() as conn:
             run("warm-up", conn)
             results.append(("every rule", run("full", conn)))
-            conn.execute(f"ALTER TABLE {TABLE} DISABLE TRIGGER wd_community_write_fence")
-            results.append(("without the fence trigger", run("nofence", conn)))
+            conn.execute("SET workflow_delivery.timeline = 'off'")
+            results.append(("without the timeline's row", run("notimeline", conn)))
+            for trigger in ("wd_community_write_fence", "wd_community_write_fence_insert"):
+                conn.execute(f"ALTER TABLE {TABLE} DISABLE TRIGGER {trigger}")
+            results.append(("… and without the fence trigger", run("nofence", conn)))
+            conn.execute(f"ALTER TABLE {TABLE} DISABLE TRIGGER wd_delivery_one_message_per_step")
+            results.append(("… and without one message per step", run("nostep", conn)))
             for name, _ in keys:
                 conn.execute(f"ALTER TABLE {TABLE} DROP CONSTRAINT {name}")
             results.append((f"… and without {len(keys)} foreign keys", run("nofk", conn)))

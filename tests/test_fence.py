@@ -224,24 +224,34 @@ def test_unknown_state_is_a_clear_error(db):
 
 
 def test_every_tenant_table_carries_the_fence_trigger(db, raw):
-    """Fence parity: a table with a community_id column and no fence trigger fails here."""
+    """Fence parity: a table with a community_id column and no fence trigger fails here.
+    UPDATE and DELETE are fenced row by row (BEFORE, ROW); INSERT by the same row
+    trigger, or (migration 0010) by a statement trigger over the new rows."""
     raw.execute(
         """
+        WITH fenced AS (
+            SELECT t.tgrelid,
+                   bool_or(p.proname = 'wd_enforce_community_write_fence'
+                           AND (t.tgtype & 1) = 1 AND (t.tgtype & 2) = 2
+                           AND (t.tgtype & 8) = 8 AND (t.tgtype & 16) = 16) AS rows_fenced,
+                   bool_or((p.proname = 'wd_enforce_community_write_fence'
+                            AND (t.tgtype & 1) = 1 AND (t.tgtype & 2) = 2 AND (t.tgtype & 4) = 4)
+                           OR (p.proname = 'wd_enforce_community_write_fence_on_insert'
+                               AND (t.tgtype & 1) = 0 AND (t.tgtype & 4) = 4
+                               AND t.tgnewtable IS NOT NULL)) AS inserts_fenced
+              FROM pg_trigger t
+              JOIN pg_proc p ON p.oid = t.tgfoid
+             WHERE NOT t.tgisinternal AND t.tgenabled <> 'D'
+             GROUP BY t.tgrelid
+        )
         SELECT c.relname
           FROM pg_class c
           JOIN pg_namespace n ON n.oid = c.relnamespace
           JOIN pg_attribute a ON a.attrelid = c.oid AND a.attname = 'community_id'
                              AND NOT a.attisdropped
+          LEFT JOIN fenced f ON f.tgrelid = c.oid
          WHERE c.relkind IN ('r', 'p') AND n.nspname = current_schema()
-           AND NOT EXISTS (
-               SELECT 1 FROM pg_trigger t
-                JOIN pg_proc p ON p.oid = t.tgfoid
-               WHERE t.tgrelid = c.oid AND NOT t.tgisinternal
-                 AND p.proname = 'wd_enforce_community_write_fence'
-                 AND t.tgenabled <> 'D'
-                 -- BEFORE, ROW, INSERT + DELETE + UPDATE
-                 AND (t.tgtype & 1) = 1 AND (t.tgtype & 2) = 2
-                 AND (t.tgtype & 4) = 4 AND (t.tgtype & 8) = 8 AND (t.tgtype & 16) = 16)
+           AND NOT (coalesce(f.rows_fenced, false) AND coalesce(f.inserts_fenced, false))
         """
     )
     assert raw.fetchall() == []
@@ -273,3 +283,19 @@ def test_executor_block_that_fails_writes_nothing_and_keeps_no_authority(db):
         ) == {"pending"}
         with pytest.raises(DatabaseError), transaction.atomic():
             WorkflowRun.objects.filter(community=step.community).update(status="cancelled")
+
+
+def test_fence_parity_catches_a_tenant_table_whose_inserts_are_not_fenced(db, raw):
+    raw.execute("CREATE TABLE wd_probe_tenant (community_id uuid)")
+    raw.execute(
+        "CREATE TRIGGER wd_community_write_fence BEFORE UPDATE OR DELETE ON wd_probe_tenant "
+        "FOR EACH ROW EXECUTE FUNCTION wd_enforce_community_write_fence()"
+    )
+    with pytest.raises(AssertionError, match="wd_probe_tenant"):
+        test_every_tenant_table_carries_the_fence_trigger(db, raw)
+    raw.execute(
+        "CREATE TRIGGER wd_community_write_fence_insert AFTER INSERT ON wd_probe_tenant "
+        "REFERENCING NEW TABLE AS written FOR EACH STATEMENT "
+        "EXECUTE FUNCTION wd_enforce_community_write_fence_on_insert()"
+    )
+    test_every_tenant_table_carries_the_fence_trigger(db, raw)

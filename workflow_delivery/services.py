@@ -242,7 +242,9 @@ class StepIdentity:
             )
         params = self._values(message_event_created_at, _new_deliveries(deliveries))
         with db.cursor(self._using, savepoint=False) as cursor:
-            created = _insert_deliveries(cursor, sql.INSERT_DELIVERIES, params, self._using)
+            created = _insert_deliveries(
+                cursor, sql.INSERT_DELIVERIES, [self.community_id, *params], self._using
+            )
         if created:
             self.exists = True
         return created
@@ -293,7 +295,10 @@ def commit_deliveries(
     # One statement takes the step's identity lock and inserts every row: in
     # autocommit it is its own transaction (all rows or none), else the caller's.
     with db.cursor(using) as cursor:
-        return _insert_deliveries(cursor, sql.LOCK_AND_INSERT_DELIVERIES, [*lock, *params], using)
+        fence = [identity.community_id]
+        return _insert_deliveries(
+            cursor, sql.LOCK_AND_INSERT_DELIVERIES, [*lock, *fence, *params], using
+        )
 
 
 def _claim_filters(

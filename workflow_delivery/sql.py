@@ -107,17 +107,33 @@ _ON_CONFLICT = (
 )
 
 
-# The insert of a step's deliveries, one array per column (``db.insert_columns``);
-# an existing identity is skipped.
-INSERT_DELIVERIES = f"INSERT INTO {DELIVERIES} ({_INSERT_COLUMNS}) {_INSERT_ROWS} {_ON_CONFLICT}"
+# The fence's INSERT check runs once per statement, on the rows it created
+# (migration 0010): a retry whose rows are all skipped would pass unasked. The
+# producer's statements ask it first themselves, so such a retry is refused too.
+_REQUIRE_WRITE = (
+    "SELECT wd_require_community_write(%s::uuid, 'INSERT', "
+    f"'{WorkflowAgentDelivery._meta.db_table}', current_schema())::text AS fenced"
+)
 
-# The step's identity lock and the insert of its deliveries in one statement, for a
-# producer that does not ask whether the step exists. The lock's CTE is scanned
-# before any row is produced, so no row is written without it.
-LOCK_AND_INSERT_DELIVERIES = f"""
-WITH step_lock AS MATERIALIZED ({LOCK_STEP_IDENTITY.strip()}::text AS locked)
+# The insert of a step's deliveries, one array per column (``db.insert_columns``);
+# an existing identity is skipped. Parameters: the community, then the arrays.
+INSERT_DELIVERIES = f"""
+WITH fence AS MATERIALIZED ({_REQUIRE_WRITE})
 INSERT INTO {DELIVERIES} ({_INSERT_COLUMNS})
-SELECT v.* FROM ({_INSERT_ROWS}) AS v CROSS JOIN step_lock
+SELECT v.* FROM ({_INSERT_ROWS}) AS v CROSS JOIN fence
+{_ON_CONFLICT}
+"""
+
+# The step's identity lock, the fence and the insert of its deliveries in one
+# statement, for a producer that does not ask whether the step exists. Each CTE is
+# scanned before any row is produced, in this order (the identity lock first, as in
+# ``delivery_identity``), so no row is written without them. Parameters: community,
+# run and step for the lock, the community for the fence, then the arrays.
+LOCK_AND_INSERT_DELIVERIES = f"""
+WITH step_lock AS MATERIALIZED ({LOCK_STEP_IDENTITY.strip()}::text AS locked),
+fence AS MATERIALIZED ({_REQUIRE_WRITE} FROM step_lock)
+INSERT INTO {DELIVERIES} ({_INSERT_COLUMNS})
+SELECT v.* FROM ({_INSERT_ROWS}) AS v CROSS JOIN fence
 {_ON_CONFLICT}
 """
 

@@ -1,0 +1,139 @@
+"""Migration 0010: the fence's INSERT check and the timeline's "committed" entries run
+once per statement, over the statement's new rows, and still refuse and record what
+the row triggers did."""
+
+from __future__ import annotations
+
+import pytest
+from django.db import DatabaseError, connection, transaction
+
+from tests import factories
+from workflow_delivery import fence, services
+from workflow_delivery.exceptions import CommunityWriteFenced
+from workflow_delivery.models import Community, DeliveryTransition, WorkflowAgentDelivery
+
+pytestmark = pytest.mark.django_db
+
+# Copies every delivery of the named communities as a new step of the same run: one
+# raw statement writing rows of several communities at once.
+COPY_DELIVERIES = """
+INSERT INTO workflow_agent_deliveries (
+    id, community_id, workflow_id, run_id, step_id, target_pubkey, definition_event_id,
+    message_event_id, message_event_created_at, cause_kind, cause_event_id,
+    cause_scheduled_for, cause_webhook_invocation_id)
+SELECT gen_random_uuid(), community_id, workflow_id, run_id, step_id || '-copy', target_pubkey,
+       definition_event_id, message_event_id, message_event_created_at, cause_kind,
+       cause_event_id, cause_scheduled_for, cause_webhook_invocation_id
+  FROM workflow_agent_deliveries
+ WHERE community_id = ANY(%s::uuid[])
+"""
+
+
+def counts() -> tuple[int, int]:
+    return WorkflowAgentDelivery.objects.count(), DeliveryTransition.objects.count()
+
+
+def run_raw(statement: str, params: list) -> int:
+    with transaction.atomic(), connection.cursor() as cursor:
+        cursor.execute(statement, params)
+        return cursor.rowcount
+
+
+@pytest.mark.parametrize("state", ["quiescing", "fenced", "tombstone"])
+def test_one_statement_writing_to_an_active_and_a_frozen_community_writes_nothing(state):
+    healthy, frozen = factories.Step(targets=3), factories.Step(targets=2)
+    factories.committed(healthy)
+    factories.committed(frozen)
+    factories.move_to(frozen.community.id, state)
+    before = counts()
+    with pytest.raises(DatabaseError) as caught:
+        run_raw(COPY_DELIVERIES, [[str(healthy.community.id), str(frozen.community.id)]])
+    error = caught.value.__cause__
+    assert error.diag.constraint_name == "wd_community_write_fence"
+    assert error.diag.table_name == "workflow_agent_deliveries"
+    assert f"{frozen.community.id} ({frozen.community.host}) is {state}" in str(error)
+    assert "INSERT on workflow_agent_deliveries" in str(error)
+    assert counts() == before
+
+
+def test_a_statement_into_active_communities_records_one_committed_entry_per_row():
+    first, second = factories.Step(targets=3), factories.Step(targets=4)
+    factories.committed(first)
+    factories.committed(second)
+    assert run_raw(COPY_DELIVERIES, [[str(first.community.id), str(second.community.id)]]) == 7
+    copies = WorkflowAgentDelivery.objects.filter(step_id__endswith="-copy")
+    assert copies.count() == 7
+    entries = DeliveryTransition.objects.filter(delivery__in=copies)
+    assert sorted(entries.values_list("delivery_id", flat=True)) == sorted(
+        copies.values_list("id", flat=True)
+    )
+    assert set(entries.values_list("kind", "status_before", "status_after", "generation")) == {
+        ("committed", None, "pending", 0)
+    }
+    # A raw statement names no actor: the producer is assumed, as the row trigger did.
+    assert set(entries.values_list("actor", flat=True)) == {"producer"}
+
+
+def test_a_committed_entry_names_the_actor_the_session_set():
+    step = factories.Step(targets=2)
+    factories.committed(step)
+    with transaction.atomic(), connection.cursor() as cursor:
+        cursor.execute("SELECT set_config('workflow_delivery.actor', 'operator:ada', true)")
+        cursor.execute(COPY_DELIVERIES, [[str(step.community.id)]])
+    copies = WorkflowAgentDelivery.objects.filter(step_id__endswith="-copy")
+    assert set(
+        DeliveryTransition.objects.filter(delivery__in=copies).values_list("actor", flat=True)
+    ) == {"operator:ada"}
+
+
+def test_a_hundred_target_commit_records_a_hundred_entries_stamped_in_order():
+    step = factories.Step(targets=100)
+    ids = [item.id for item in factories.committed(step)]
+    entries = DeliveryTransition.objects.filter(delivery_id__in=ids).order_by("id")
+    assert entries.count() == 100
+    stamps = list(entries.values_list("at", flat=True))
+    assert stamps == sorted(stamps)
+    assert set(entries.values_list("kind", flat=True)) == {"committed"}
+
+
+def test_the_executor_of_a_fenced_community_may_still_insert():
+    step = factories.Step(targets=2)
+    factories.committed(step)
+    factories.move_to(step.community.id, "quiescing")
+    factories.move_to(step.community.id, "fenced")
+    generation = Community.objects.get(pk=step.community.pk).deletion_fence_generation
+    before = counts()
+    with fence.executor_writes(step.community.id, generation), connection.cursor() as cursor:
+        cursor.execute(COPY_DELIVERIES, [[str(step.community.id)]])
+    assert counts() == (before[0] + 2, before[1] + 2)
+
+
+def test_a_retry_into_a_frozen_community_is_refused_by_the_service():
+    """Every row of the retry is skipped, so no row reaches the statement trigger: the
+    producer's statement asks the fence itself."""
+    step = factories.Step(targets=3)
+    deliveries = factories.committed(step)
+    factories.move_to(step.community.id, "quiescing")
+    before = counts()
+    with pytest.raises(CommunityWriteFenced, match=str(step.community.id)):
+        services.commit_deliveries(step.community.id, step.created_at, deliveries)
+    with pytest.raises(CommunityWriteFenced), services.delivery_identity(
+        step.community.id, step.run.id, step.step_id
+    ) as identity:
+        assert identity.exists
+        identity.commit(step.created_at, deliveries)
+    assert counts() == before
+
+
+def test_a_raw_insert_whose_every_row_is_skipped_writes_nothing_in_a_frozen_community():
+    """What migration 0010 gives up: such a statement is no longer refused, because it
+    writes nothing for the fence to refuse."""
+    step = factories.Step(targets=2)
+    factories.committed(step)
+    factories.move_to(step.community.id, "fenced")
+    before = counts()
+    skipped = COPY_DELIVERIES.replace("step_id || '-copy'", "step_id").replace(
+        "gen_random_uuid()", "id"
+    )
+    assert run_raw(skipped + " ON CONFLICT DO NOTHING", [[str(step.community.id)]]) == 0
+    assert counts() == before
