@@ -63,16 +63,17 @@ def main(argv: list[str] | None = None) -> int:
             started = time.perf_counter()
             for step in tqdm(range(args.steps), desc=label, leave=False):
                 step_id = f"{label}-{step}"
-                rows = [
-                    [
-                        uuid.uuid4(), t.community_id, t.workflow_id, t.run_id, step_id,
-                        target, t.definition_id, t.message_id, t.message_created_at,
-                        "event", t.cause_id, None, None,
-                    ]  # fmt: skip
-                    for target in targets
-                ]
+                columns = [
+                    [uuid.uuid4() for _ in targets],
+                    *([value] * len(targets) for value in (t.community_id, t.workflow_id,
+                                                           t.run_id, step_id)),
+                    targets,
+                    *([value] * len(targets) for value in (t.definition_id, t.message_id,
+                                                           t.message_created_at, "event",
+                                                           t.cause_id, None, None)),
+                ]  # fmt: skip
                 lock = [str(t.community_id), str(t.run_id), step_id]
-                params = [*lock, t.community_id, *(list(column) for column in zip(*rows, strict=True))]
+                params = [*lock, t.community_id, *columns]
                 with conn.transaction():
                     conn.execute(statement, params, prepare=True)
             return (time.perf_counter() - started) / (args.steps * args.targets) * 1e6

@@ -117,9 +117,10 @@ def test_a_retry_into_a_frozen_community_is_refused_by_the_service():
     before = counts()
     with pytest.raises(CommunityWriteFenced, match=str(step.community.id)):
         services.commit_deliveries(step.community.id, step.created_at, deliveries)
-    with pytest.raises(CommunityWriteFenced), services.delivery_identity(
-        step.community.id, step.run.id, step.step_id
-    ) as identity:
+    with (
+        pytest.raises(CommunityWriteFenced),
+        services.delivery_identity(step.community.id, step.run.id, step.step_id) as identity,
+    ):
         assert identity.exists
         identity.commit(step.created_at, deliveries)
     assert counts() == before
