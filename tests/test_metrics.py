@@ -10,7 +10,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tests import factories
 from workflow_delivery import fence, services, sql
-from workflow_delivery.exceptions import CommunityWriteFenced
+from workflow_delivery.exceptions import CommunityWriteFenced, LeaseLostError
 from workflow_delivery.models import Community, WorkflowAgentDelivery
 
 pytestmark = pytest.mark.django_db
@@ -113,6 +113,46 @@ def test_counters_follow_what_this_process_did(client, two_communities):
     assert grew("workflow_delivery_leases_lost_total") == 1
     assert grew("workflow_delivery_reaped_total", result="reclaimed") == reaped.reclaimed == 3
     assert grew("workflow_delivery_fence_refusals_total") >= 1
+
+
+def test_batches_and_holding_blocks_are_counted_like_single_calls(
+    client, django_capture_on_commit_callbacks
+):
+    step = factories.Step(targets=4, step_id="batched")
+    factories.committed(step)
+    before = scrape(client)
+    claimed = [
+        pair
+        for target in step.targets[:2]
+        for pair in services.claim_deliveries(step.community.id, target, limit=5)
+    ]
+    leases = [lease for lease, _ in claimed]
+    # The first settles, its repeat is already terminal, the second fails.
+    services.finish_deliveries(
+        [(leases[0], "finished"), (leases[0], "failed"), (leases[1], "failed")]
+    )
+    third, _ = services.claim_delivery(step.community.id, step.targets[2])
+    fourth, _ = services.claim_delivery(step.community.id, step.targets[3])
+    # The test runs in a transaction: its commit callbacks run as the block ends.
+    with django_capture_on_commit_callbacks(execute=True):
+        with services.holding(third) as held:
+            held.finish("finished")
+        with pytest.raises(RuntimeError), services.holding(fourth) as held:
+            held.finish("finished")
+            raise RuntimeError("the block rolls back: its settle must not count")
+    services.release_lease(fourth)
+    with pytest.raises(LeaseLostError), services.holding(fourth):
+        pytest.fail("a released lease must not enter")
+    after = scrape(client)
+
+    def grew(name: str, **label_values: str) -> float:
+        key = tuple(sorted(label_values.items()))
+        return after[name][key] - before[name][key]
+
+    assert grew("workflow_delivery_claims_total") == 4
+    assert grew("workflow_delivery_settles_total", outcome="finished") == 2
+    assert grew("workflow_delivery_settles_total", outcome="failed") == 1
+    assert grew("workflow_delivery_leases_lost_total") == 1
 
 
 def test_pruned_rows_are_counted(client):

@@ -43,8 +43,8 @@ FENCE_REFUSALS = Counter(
     registry=REGISTRY,
 )
 
-# Every label value from the start, so a rate() has a zero to begin from.
-for _outcome in ("finished", "failed"):
-    SETTLES.labels(_outcome)
+# Every label value from the start, so a rate() has a zero to begin from. The
+# labelled children are kept: ``labels()`` costs a lock and a lookup per call.
+SETTLED = {outcome: SETTLES.labels(outcome) for outcome in ("finished", "failed")}
 for _result in ("reclaimed", "attempts_exhausted"):
     REAPED.labels(_result)

@@ -365,14 +365,7 @@ def claim_delivery(
         return None
     counters.CLAIMS.inc()
     record = db.record(row)
-    lease = Lease(
-        community_id=community_id,
-        delivery_id=record.id,
-        target_pubkey=target_pubkey,
-        generation=record.lease_generation,
-        lease_until=record.lease_until,
-    )
-    return lease, record
+    return db.lease_of(community_id, target_pubkey, record), record
 
 
 def renew_delivery(
@@ -401,7 +394,7 @@ def finish_delivery(
     with db.cursor(using) as cursor:
         cursor.execute(sql.FINISH, [outcome.value, *params])
         if cursor.fetchone() is not None:
-            counters.SETTLES.labels(outcome.value).inc()
+            counters.SETTLED[outcome.value].inc()
             return Settled(outcome=outcome)
         # Nothing settled: look at the row by the caller's full capability (same
         # generation), in a fresh statement so a concurrent settle is visible.
@@ -437,7 +430,10 @@ class Held:
             settled = cursor.fetchone() is not None
         if not settled:
             self.refused = True
+            counters.LEASES_LOST.inc()
             raise LeaseLostError(self.lease, "the lease ran out inside the holding() block")
+        # Counted once the block's transaction commits: until then it may roll back.
+        transaction.on_commit(counters.SETTLED[outcome.value].inc, using=self._using)
         self.settled = Settled(outcome=outcome)
         return self.settled
 
@@ -475,6 +471,7 @@ def holding(lease: Lease, *, using: str = DEFAULT_DB_ALIAS) -> Iterator[Held]:
                 cursor.execute(sql.HELD_LIVE, params)
                 locked = cursor.fetchone() is not None
         if not locked:
+            counters.LEASES_LOST.inc()
             raise LeaseLostError(lease)
         held = Held(lease, using)
         yield held
@@ -486,6 +483,7 @@ def holding(lease: Lease, *, using: str = DEFAULT_DB_ALIAS) -> Iterator[Held]:
                 cursor.execute(sql.HELD_LIVE, params)
                 live = cursor.fetchone() is not None
             if not live:
+                counters.LEASES_LOST.inc()
                 raise LeaseLostError(lease, "the lease ran out inside the holding() block")
 
 
@@ -621,19 +619,8 @@ def claim_deliveries(
         records = [db.record(row) for row in cursor.fetchall()]
     # UPDATE … RETURNING has no order of its own; hand the rows out as picked.
     records.sort(key=lambda record: (record.created_at, record.id))
-    return [
-        (
-            Lease(
-                community_id=community_id,
-                delivery_id=record.id,
-                target_pubkey=target_pubkey,
-                generation=record.lease_generation,
-                lease_until=record.lease_until,
-            ),
-            record,
-        )
-        for record in records
-    ]
+    counters.CLAIMS.inc(len(records))
+    return [(db.lease_of(community_id, target_pubkey, record), record) for record in records]
 
 
 def _outcome(value: object) -> Outcome:
@@ -681,8 +668,10 @@ def finish_deliveries(
     for n, settled, status in rows:
         if settled:
             distinct[n - 1] = Settled(outcome=Outcome(columns[4][n - 1]))
+            counters.SETTLED[columns[4][n - 1]].inc()
         elif status is not None and DeliveryStatus(status).is_terminal:
             distinct[n - 1] = AlreadyTerminal(status=DeliveryStatus(status))
+    counters.LEASES_LOST.inc(sum(isinstance(result, LeaseLost) for result in distinct))
     results: list[Settled | AlreadyTerminal | LeaseLost] = []
     reported: set[int] = set()
     for slot in slots:
