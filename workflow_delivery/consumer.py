@@ -49,6 +49,7 @@ from .protocol import (
     as_uuid,
 )
 from .wakeups import WakeListener
+from .wakeups import available as wakeups_available
 
 __all__ = ["Consumer", "ConsumerStats", "DeliveryContext", "Handler"]
 
@@ -292,7 +293,8 @@ class Consumer:
         self._wake = threading.Condition()
         self._wake_seq = 0
         self._reserved = 0
-        #: Set once the wake-up session listens (observers: tests, benchmarks).
+        #: Set once the wake-up session listens (observers: tests, benchmarks). Never
+        #: set without one (``listen=False``, or no psycopg 3: ``wakeups.available()``).
         self.listening = threading.Event()
 
     # -- control -------------------------------------------------------------------
@@ -336,7 +338,13 @@ class Consumer:
         for worker in workers:
             worker.daemon = True
             worker.start()
-        listener = WakeListener(self.using) if self.listen else None
+        listener = None
+        if self.listen:
+            if wakeups_available():
+                listener = WakeListener(self.using)
+            else:
+                # On psycopg2 alone the workers poll; ``listening`` is never set.
+                logger.warning("wake-ups need psycopg 3; polling every %s s", self.poll_interval)
         graceful = False
         try:
             self._listen(listener, workers, stop)
@@ -356,13 +364,8 @@ class Consumer:
         stop: Callable[[], bool] | None,
     ) -> None:
         if listener is not None:
-            try:
-                import psycopg
-            except ImportError:
-                # The listener needs psycopg 3; on psycopg2 alone the workers poll.
-                logger.warning("wake-ups need psycopg 3; polling every %s s", self.poll_interval)
-                listener = None
-        if listener is not None:
+            import psycopg  # there is a listener only where psycopg 3 is installed
+
             try:
                 listener.connect()
                 self.listening.set()

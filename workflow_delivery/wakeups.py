@@ -17,6 +17,7 @@ pooled or per-request connection is not.
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from dataclasses import dataclass
@@ -25,7 +26,7 @@ from uuid import UUID
 
 from django.db import DEFAULT_DB_ALIAS, connections
 
-__all__ = ["WAKE_CHANNEL", "WakeHint", "WakeListener", "format_wake", "parse_wake"]
+__all__ = ["WAKE_CHANNEL", "WakeHint", "WakeListener", "available", "format_wake", "parse_wake"]
 
 WAKE_CHANNEL = "workflow_delivery_wake"
 
@@ -80,6 +81,17 @@ def parse_wake(payload: object) -> WakeHint | None:
     if community_id is None or delivery_id is None:
         return None
     return WakeHint(community_id, bytes.fromhex(target), delivery_id)
+
+
+@functools.cache
+def available() -> bool:
+    """Whether ``WakeListener`` can run here: it needs psycopg 3. A host on psycopg2
+    alone still sends wake-ups but cannot listen for them: its consumers poll."""
+    try:
+        import psycopg  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 def connection_params(using: str = DEFAULT_DB_ALIAS) -> dict[str, Any]:
