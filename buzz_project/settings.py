@@ -87,7 +87,18 @@ def _database() -> dict:
     return config
 
 
-DATABASES = {"default": _database()}
+def _as_app_role(config: dict) -> dict:
+    """With APP_DATABASE_ROLE set, the same server and database as that role (the
+    unprivileged one of README "Running under an unprivileged role"); scripts/run
+    migrates without it and serves with it."""
+    role = env.str("APP_DATABASE_ROLE", default="")
+    if role:
+        config["USER"] = role
+        config["PASSWORD"] = env.str("APP_DATABASE_PASSWORD", default="")
+    return config
+
+
+DATABASES = {"default": _as_app_role(_database())}
 DATABASES["default"].setdefault("CONN_MAX_AGE", 0)
 # Fail fast, with one clear line from manage.py, when the server does not answer.
 DATABASES["default"].setdefault("OPTIONS", {}).setdefault(

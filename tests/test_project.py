@@ -247,3 +247,28 @@ def test_debug_is_off_unless_the_environment_turns_it_on():
     )
     assert result.returncode != 0
     assert "SECRET_KEY must be set when DEBUG is false" in result.stderr
+
+
+@pytest.mark.parametrize(
+    ("role", "expected"),
+    [
+        ("", "owner secret 127.0.0.1 5433 buzzdb"),
+        ("buzz_app", "buzz_app app-secret 127.0.0.1 5433 buzzdb"),
+    ],
+)
+def test_app_database_role_changes_the_user_and_nothing_else(role, expected):
+    # scripts/run migrates with APP_DATABASE_ROLE empty and serves with it set.
+    show = (
+        "from django.conf import settings; d = settings.DATABASES['default']; "
+        "print(d['USER'], d['PASSWORD'], d['HOST'], d['PORT'], d['NAME'])"
+    )
+    result = manage(
+        "shell",
+        "-c",
+        show,
+        DATABASE_URL="postgres://owner:secret@127.0.0.1:5433/buzzdb",
+        APP_DATABASE_ROLE=role,
+        APP_DATABASE_PASSWORD="app-secret",
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip().splitlines()[-1] == expected
