@@ -73,7 +73,8 @@ def main(argv: list[str] | None = None) -> int:
                                                            t.cause_id, None, None)),
                 ]  # fmt: skip
                 lock = [str(t.community_id), str(t.run_id), step_id]
-                params = [*lock, t.community_id, *columns]
+                checks = [t.community_id, t.community_id, t.run_id, step_id, t.message_id]
+                params = [*lock, *checks, *columns]
                 with conn.transaction():
                     conn.execute(statement, params, prepare=True)
             return (time.perf_counter() - started) / (args.steps * args.targets) * 1e6

@@ -4,13 +4,16 @@ the row triggers did."""
 
 from __future__ import annotations
 
+import uuid
+
 import pytest
 from django.db import DatabaseError, connection, transaction
 
 from tests import factories
 from workflow_delivery import fence, services
-from workflow_delivery.exceptions import CommunityWriteFenced
+from workflow_delivery.exceptions import CommunityWriteFenced, StepMessageConflict
 from workflow_delivery.models import Community, DeliveryTransition, WorkflowAgentDelivery
+from workflow_delivery.protocol import NewDelivery
 
 pytestmark = pytest.mark.django_db
 
@@ -138,3 +141,85 @@ def test_a_raw_insert_whose_every_row_is_skipped_writes_nothing_in_a_frozen_comm
     )
     assert run_raw(skipped + " ON CONFLICT DO NOTHING", [[str(step.community.id)]]) == 0
     assert counts() == before
+
+
+def test_a_retry_with_another_message_is_refused_by_the_service():
+    """Every row of the retry is skipped, so the statement trigger sees none: the
+    producer's statement asks the one-message rule itself."""
+    step = factories.Step(targets=2)
+    factories.committed(step)
+    other = factories.message(step.community, step.targets)
+    retry = [
+        NewDelivery(uuid.uuid4(), step.binding(target, message_event_id=bytes(other.id)))
+        for target in step.targets
+    ]
+    before = counts()
+    with pytest.raises(StepMessageConflict, match=bytes(other.id).hex()):
+        services.commit_deliveries(step.community.id, other.created_at, retry)
+    with (
+        pytest.raises(StepMessageConflict),
+        services.delivery_identity(step.community.id, step.run.id, step.step_id) as identity,
+    ):
+        identity.commit(other.created_at, retry)
+    assert counts() == before
+
+
+def test_one_statement_giving_a_new_step_two_messages_is_refused():
+    step = factories.Step(targets=2)
+    factories.committed(step)
+    other = factories.message(step.community, step.targets)
+    before = counts()
+    # The copies form a new step; the second copy carries another message.
+    two_messages = COPY_DELIVERIES.replace(
+        "message_event_id, message_event_created_at, cause_kind,\n       cause_event_id",
+        "CASE WHEN target_pubkey = %s THEN %s ELSE message_event_id END, "
+        "message_event_created_at, cause_kind,\n       cause_event_id",
+        1,
+    )
+    assert two_messages != COPY_DELIVERIES
+    with pytest.raises(DatabaseError) as caught:
+        run_raw(two_messages, [step.targets[1], bytes(other.id), [str(step.community.id)]])
+    assert caught.value.__cause__.diag.constraint_name == "wd_delivery_one_message_per_step"
+    assert counts() == before
+
+
+PER_STATEMENT = [
+    "wd_require_community_write",
+    "wd_enforce_community_write_fence_on_insert",
+    "wd_record_deliveries_committed",
+    "wd_require_one_message",
+    "wd_enforce_one_message_per_step_on_insert",
+]
+PER_ROW = [
+    "wd_enforce_community_write_fence",
+    "wd_record_delivery_transition",
+    "wd_enforce_one_message_per_step",
+]
+
+
+def test_a_large_step_runs_each_rule_once_per_statement_not_once_per_row():
+    """A rule run per row paid a function call per row, and the one-message probe a
+    plan cached for the session: planned while the table was small (a sequential
+    scan), one large step read the table once per row, quadratically. Counted by
+    PostgreSQL's own function statistics, for this transaction."""
+    step = factories.Step(targets=2000)
+    with connection.cursor() as cursor:
+        cursor.execute("SET LOCAL track_functions = 'pl'")
+        created = services.commit_deliveries(
+            step.community.id, step.created_at, step.new_deliveries()
+        )
+        cursor.execute(
+            "SELECT funcname, calls FROM pg_stat_xact_user_functions WHERE funcname = ANY(%s)",
+            [PER_STATEMENT + PER_ROW],
+        )
+        calls = dict(cursor.fetchall())
+    assert len(created) == 2000
+    # The service's statement asks the fence and the message rule itself, and the
+    # statement triggers of both tables (deliveries, then the timeline) ask again.
+    assert calls == {
+        "wd_require_community_write": 3,
+        "wd_enforce_community_write_fence_on_insert": 2,
+        "wd_record_deliveries_committed": 1,
+        "wd_require_one_message": 2,
+        "wd_enforce_one_message_per_step_on_insert": 1,
+    }
