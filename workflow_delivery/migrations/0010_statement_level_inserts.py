@@ -29,8 +29,12 @@ trigger 14 µs (a PL/pgSQL call, the shared lock and a lookup of the community).
   of the step that carries another message. The row trigger probed once per row with
   a plan cached for the session; planned while the table was small (a seq scan), it
   made one large step quadratic: seeding 100,000 rows into a table last analysed with
-  5 ran at 83 rows/s. An all-skipped statement is not refused by it either, and the
-  service's producer statements ask the same function themselves first.
+  5 ran at 83 rows/s. The probe is planned at each call (``plan_cache_mode =
+  force_custom_plan`` on the function: a generic plan made after a TRUNCATE read the
+  step through ``(community_id, id)``, every row of the community) and compares the
+  step in the column's collation (a transition table's text arrives as "C", which
+  kept the step out of the index condition). An all-skipped statement is not refused
+  by it either, and the service's producer statements ask the same function first.
 
 The other tenant tables (workflows, runs, events) keep the row trigger for every
 write. Reversing restores the row triggers of 0006 and 0007.
@@ -171,13 +175,21 @@ CREATE FUNCTION wd_require_one_message(
     p_community_id uuid, p_run_id uuid, p_step_id text, p_message bytea, p_table text
 ) RETURNS void
 LANGUAGE plpgsql VOLATILE
+-- Planned at each call, for the table as it is then: a plan cached while the table
+-- was small (after a TRUNCATE, or before the first ANALYZE) reads the step through
+-- (community_id, id), i.e. every row of the community, for the rest of the session.
+SET plan_cache_mode = force_custom_plan
 AS $$
 DECLARE
     v_message bytea;
 BEGIN
+    -- The step is compared in the column's collation: an argument carries its own
+    -- (a transition table's text arrives as "C"), and a comparison in another
+    -- collation than the index's cannot use the index for it.
     SELECT message_event_id INTO v_message
       FROM workflow_agent_deliveries
-     WHERE community_id = p_community_id AND run_id = p_run_id AND step_id = p_step_id
+     WHERE community_id = p_community_id AND run_id = p_run_id
+       AND step_id = (p_step_id COLLATE "default")
        AND message_event_id IS DISTINCT FROM p_message
      LIMIT 1;
     IF FOUND THEN
