@@ -73,8 +73,7 @@ def main(argv: list[str] | None = None) -> int:
                                                            t.cause_id, None, None)),
                 ]  # fmt: skip
                 lock = [str(t.community_id), str(t.run_id), step_id]
-                checks = [t.community_id, t.community_id, t.run_id, step_id, t.message_id]
-                params = [*lock, *checks, *columns]
+                params = [*lock, t.community_id, *columns]
                 with conn.transaction():
                     conn.execute(statement, params, prepare=True)
             return (time.perf_counter() - started) / (args.steps * args.targets) * 1e6

@@ -143,9 +143,8 @@ def test_a_raw_insert_whose_every_row_is_skipped_writes_nothing_in_a_frozen_comm
     assert counts() == before
 
 
-def test_a_retry_with_another_message_is_refused_by_the_service():
-    """Every row of the retry is skipped, so the statement trigger sees none: the
-    producer's statement asks the one-message rule itself."""
+def test_a_retry_with_another_message_is_refused():
+    """Every row of the retry is skipped, yet the row trigger saw each before."""
     step = factories.Step(targets=2)
     factories.committed(step)
     other = factories.message(step.community, step.targets)
@@ -187,21 +186,13 @@ PER_STATEMENT = [
     "wd_require_community_write",
     "wd_enforce_community_write_fence_on_insert",
     "wd_record_deliveries_committed",
-    "wd_require_one_message",
-    "wd_enforce_one_message_per_step_on_insert",
 ]
-PER_ROW = [
-    "wd_enforce_community_write_fence",
-    "wd_record_delivery_transition",
-    "wd_enforce_one_message_per_step",
-]
+PER_ROW = ["wd_enforce_community_write_fence", "wd_record_delivery_transition"]
 
 
-def test_a_large_step_runs_each_rule_once_per_statement_not_once_per_row():
-    """A rule run per row paid a function call per row, and the one-message probe a
-    plan cached for the session: planned while the table was small (a sequential
-    scan), one large step read the table once per row, quadratically. Counted by
-    PostgreSQL's own function statistics, for this transaction."""
+def test_a_large_step_runs_the_fence_and_the_timeline_once_per_statement():
+    """The fence and the timeline's committed entries, counted by PostgreSQL's own
+    function statistics for this transaction: no call per row."""
     step = factories.Step(targets=2000)
     with connection.cursor() as cursor:
         cursor.execute("SET LOCAL track_functions = 'pl'")
@@ -214,12 +205,10 @@ def test_a_large_step_runs_each_rule_once_per_statement_not_once_per_row():
         )
         calls = dict(cursor.fetchall())
     assert len(created) == 2000
-    # The service's statement asks the fence and the message rule itself, and the
-    # statement triggers of both tables (deliveries, then the timeline) ask again.
+    # The service's statement asks the fence itself, and the statement triggers of
+    # both tables (deliveries, then the timeline) ask again.
     assert calls == {
         "wd_require_community_write": 3,
         "wd_enforce_community_write_fence_on_insert": 2,
         "wd_record_deliveries_committed": 1,
-        "wd_require_one_message": 2,
-        "wd_enforce_one_message_per_step_on_insert": 1,
     }

@@ -227,13 +227,6 @@ class StepIdentity:
             )
         return [list(column) for column in zip(*rows, strict=True)]
 
-    def _checks(self, batch: list[NewDelivery]) -> list[object]:
-        """The parameters of the insert's own checks (``sql.INSERT_DELIVERIES``): the
-        fence's community, then the step and the message every delivery of the batch
-        carries (``_validate`` made sure of that)."""
-        message = batch[0].binding.message_event_id
-        return [self.community_id, self.community_id, self.run_id, self.step_id, message]
-
     def commit(
         self, message_event_created_at: datetime, deliveries: Iterable[NewDelivery]
     ) -> list[UUID]:
@@ -247,12 +240,10 @@ class StepIdentity:
             raise StepIdentityClosed(
                 f"{self!r}: its delivery_identity block has closed; commit inside the block"
             )
-        batch = _new_deliveries(deliveries)
-        params = self._values(message_event_created_at, batch)
+        params = self._values(message_event_created_at, _new_deliveries(deliveries))
         with db.cursor(self._using, savepoint=False) as cursor:
-            checks = self._checks(batch)
             created = _insert_deliveries(
-                cursor, sql.INSERT_DELIVERIES, [*checks, *params], self._using
+                cursor, sql.INSERT_DELIVERIES, [self.community_id, *params], self._using
             )
         if created:
             self.exists = True
@@ -304,9 +295,9 @@ def commit_deliveries(
     # One statement takes the step's identity lock and inserts every row: in
     # autocommit it is its own transaction (all rows or none), else the caller's.
     with db.cursor(using) as cursor:
-        checks = identity._checks(batch)
+        fence = [identity.community_id]
         return _insert_deliveries(
-            cursor, sql.LOCK_AND_INSERT_DELIVERIES, [*lock, *checks, *params], using
+            cursor, sql.LOCK_AND_INSERT_DELIVERIES, [*lock, *fence, *params], using
         )
 
 

@@ -107,40 +107,35 @@ _ON_CONFLICT = (
 )
 
 
-# The fence's INSERT check and the one-message rule run once per statement, on the
-# rows it created (migration 0010): a retry whose rows are all skipped would pass
-# unasked. The producer's statements ask both first themselves, so such a retry is
-# refused too. Parameters: the community; then community, run, step and message.
+# The fence's INSERT check runs once per statement, on the rows it created
+# (migration 0010): a retry whose rows are all skipped would pass unasked. The
+# producer's statements ask it first themselves, so such a retry is refused too.
 _TABLE = WorkflowAgentDelivery._meta.db_table
 _REQUIRE_WRITE = f"""
 fence AS MATERIALIZED (
     SELECT wd_require_community_write(%s::uuid, 'INSERT', '{_TABLE}', current_schema())::text
            AS fenced{{after}}
-),
-one_message AS MATERIALIZED (
-    SELECT wd_require_one_message(%s::uuid, %s::uuid, %s::text, %s::bytea, '{_TABLE}')::text
-           AS checked FROM fence
 )"""
 
 # The insert of a step's deliveries, one array per column (``db.insert_columns``);
-# an existing identity is skipped. Parameters: the checks', then the arrays.
+# an existing identity is skipped. Parameters: the fence's community, then the arrays.
 INSERT_DELIVERIES = f"""
 WITH {_REQUIRE_WRITE.format(after="").strip()}
 INSERT INTO {DELIVERIES} ({_INSERT_COLUMNS})
-SELECT v.* FROM ({_INSERT_ROWS}) AS v CROSS JOIN one_message
+SELECT v.* FROM ({_INSERT_ROWS}) AS v CROSS JOIN fence
 {_ON_CONFLICT}
 """
 
-# The step's identity lock, the checks and the insert of its deliveries in one
+# The step's identity lock, the fence and the insert of its deliveries in one
 # statement, for a producer that does not ask whether the step exists. Each CTE is
 # scanned before any row is produced, in this order (the identity lock first, as in
 # ``delivery_identity``), so no row is written without them. Parameters: community,
-# run and step for the lock, the checks', then the arrays.
+# run and step for the lock, the fence's community, then the arrays.
 LOCK_AND_INSERT_DELIVERIES = f"""
 WITH step_lock AS MATERIALIZED ({LOCK_STEP_IDENTITY.strip()}::text AS locked),
 {_REQUIRE_WRITE.format(after=" FROM step_lock").strip()}
 INSERT INTO {DELIVERIES} ({_INSERT_COLUMNS})
-SELECT v.* FROM ({_INSERT_ROWS}) AS v CROSS JOIN one_message
+SELECT v.* FROM ({_INSERT_ROWS}) AS v CROSS JOIN fence
 {_ON_CONFLICT}
 """
 

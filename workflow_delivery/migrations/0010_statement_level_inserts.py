@@ -1,5 +1,4 @@
-"""A producer's step pays the fence, the timeline and the one-message rule once per
-statement, not per row.
+"""A producer's step pays the fence and the timeline once per statement, not per row.
 
 Measured by ``bench/row_rules.py`` (100-target steps, one process): of 124 µs a row,
 the timeline's "committed" row took 43 µs (a PL/pgSQL call and a one-row INSERT per
@@ -24,20 +23,9 @@ trigger 14 µs (a PL/pgSQL call, the shared lock and a lookup of the community).
   right after the step's identity lock, so a commit or a retry into a community that
   is not active is still refused.
 
-* ``wd_delivery_one_message_per_step`` becomes a statement trigger too: for each
-  (step, message) among the new rows, one probe (``wd_require_one_message``) for a row
-  of the step that carries another message. The row trigger probed once per row with
-  a plan cached for the session; planned while the table was small (a seq scan), it
-  made one large step quadratic: seeding 100,000 rows into a table last analysed with
-  5 ran at 83 rows/s. The probe is planned at each call (``plan_cache_mode =
-  force_custom_plan`` on the function: a generic plan made after a TRUNCATE read the
-  step through ``(community_id, id)``, every row of the community) and compares the
-  step in the column's collation (a transition table's text arrives as "C", which
-  kept the step out of the index condition). An all-skipped statement is not refused
-  by it either, and the service's producer statements ask the same function first.
-
 The other tenant tables (workflows, runs, events) keep the row trigger for every
-write. Reversing restores the row triggers of 0006 and 0007.
+write, and ``wd_delivery_one_message_per_step`` stays a row trigger. Reversing
+restores 0007's row triggers.
 """
 
 from importlib import import_module
@@ -168,72 +156,6 @@ DROP FUNCTION wd_record_deliveries_committed();
 """
 
 
-ONE_MESSAGE = r"""
--- Raises unless every delivery of the step carries p_message: one probe of the step's
--- rows through wd_delivery_identity_key, however many rows the statement wrote.
-CREATE FUNCTION wd_require_one_message(
-    p_community_id uuid, p_run_id uuid, p_step_id text, p_message bytea, p_table text
-) RETURNS void
-LANGUAGE plpgsql VOLATILE
--- Planned at each call, for the table as it is then: a plan cached while the table
--- was small (after a TRUNCATE, or before the first ANALYZE) reads the step through
--- (community_id, id), i.e. every row of the community, for the rest of the session.
-SET plan_cache_mode = force_custom_plan
-AS $$
-DECLARE
-    v_message bytea;
-BEGIN
-    -- The step is compared in the column's collation: an argument carries its own
-    -- (a transition table's text arrives as "C"), and a comparison in another
-    -- collation than the index's cannot use the index for it.
-    SELECT message_event_id INTO v_message
-      FROM workflow_agent_deliveries
-     WHERE community_id = p_community_id AND run_id = p_run_id
-       AND step_id = (p_step_id COLLATE "default")
-       AND message_event_id IS DISTINCT FROM p_message
-     LIMIT 1;
-    IF FOUND THEN
-        RAISE EXCEPTION 'step % of run % already carries message %, not %: a step has one message',
-            p_step_id, p_run_id, encode(v_message, 'hex'), encode(p_message, 'hex')
-            USING ERRCODE = 'check_violation',
-                  CONSTRAINT = 'wd_delivery_one_message_per_step', TABLE = p_table;
-    END IF;
-END
-$$;
-
-CREATE FUNCTION wd_enforce_one_message_per_step_on_insert() RETURNS trigger
-LANGUAGE plpgsql
-AS $$
-DECLARE
-    v_step record;
-BEGIN
-    FOR v_step IN
-        SELECT DISTINCT community_id, run_id, step_id, message_event_id FROM created
-    LOOP
-        PERFORM wd_require_one_message(v_step.community_id, v_step.run_id, v_step.step_id,
-                                       v_step.message_event_id, TG_TABLE_NAME);
-    END LOOP;
-    RETURN NULL;
-END
-$$;
-
-DROP TRIGGER wd_delivery_one_message_per_step ON workflow_agent_deliveries;
-CREATE TRIGGER wd_delivery_one_message_per_step
-    AFTER INSERT ON workflow_agent_deliveries
-    REFERENCING NEW TABLE AS created
-    FOR EACH STATEMENT EXECUTE FUNCTION wd_enforce_one_message_per_step_on_insert();
-"""
-
-REVERSE_ONE_MESSAGE = """
-DROP TRIGGER wd_delivery_one_message_per_step ON workflow_agent_deliveries;
-CREATE TRIGGER wd_delivery_one_message_per_step
-    BEFORE INSERT ON workflow_agent_deliveries
-    FOR EACH ROW EXECUTE FUNCTION wd_enforce_one_message_per_step();
-DROP FUNCTION wd_enforce_one_message_per_step_on_insert();
-DROP FUNCTION wd_require_one_message(uuid, uuid, text, bytea, text);
-"""
-
-
 class Migration(migrations.Migration):
     dependencies = [("workflow_delivery", "0009_leaner_delivery_indexes")]
 
@@ -241,5 +163,4 @@ class Migration(migrations.Migration):
         migrations.RunSQL(sql=STATEMENT_FENCE, reverse_sql=REVERSE_STATEMENT_FENCE),
         *[_split_fence(table) for table in TABLES],
         migrations.RunSQL(sql=COMMITTED_ENTRIES, reverse_sql=REVERSE_COMMITTED_ENTRIES),
-        migrations.RunSQL(sql=ONE_MESSAGE, reverse_sql=REVERSE_ONE_MESSAGE),
     ]
