@@ -1,6 +1,7 @@
 """The spread of each figure over several ``bench/run.py --json`` files: one Markdown
 row per figure with its ratio (or value, where it has no baseline) in every run, the
-lowest and the highest, and how many runs met its bar.
+lowest and the highest, and how many runs met its bar. Where the bar is on the value
+(a latency or a time, or a figure without baseline) the value is shown instead.
 
     .venv/bin/python bench/spread.py bench/results/run1.json bench/results/run2.json ...
 """
@@ -29,7 +30,11 @@ def _load(path: Path) -> list[dict]:
 
 
 def _shown(figure: dict) -> float | None:
-    return figure["ratio"] if figure.get("ratio") is not None else figure.get("value")
+    """What the figure's bar is about: its value for a bar from below (a latency, a
+    time) or a figure without a baseline, else its ratio to the baseline."""
+    if figure.get("bar_below") or figure.get("ratio") is None:
+        return figure.get("value")
+    return figure["ratio"]
 
 
 def _bar(figure: dict) -> str:

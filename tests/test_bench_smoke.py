@@ -60,7 +60,9 @@ def test_api_bench_runs_and_drops_its_database(db, tmp_path: Path, server: str) 
     prefix = os.environ.get("BENCH_DB_PREFIX", "buzz_bench")
     command = [sys.executable, str(ROOT / "bench" / "api.py"), "--server", server]
     command += ["--seconds", "0.5", "--warmup", "0.2", "--agents", "2", "--server-workers", "1"]
-    command += ["--rows", "300", "--auth-calls", "20", "--waiters", "5", "--db-prefix", prefix]
+    # Enough rows that the service side (about 1 ms a cycle) cannot run dry during the
+    # warm-up and leave nothing inside the window: 300 did, now and then.
+    command += ["--rows", "4000", "--auth-calls", "20", "--waiters", "5", "--db-prefix", prefix]
     command += ["--json", str(report)]
     proc = subprocess.Popen(
         command, cwd=ROOT, env=os.environ.copy(), stdout=subprocess.PIPE, stderr=subprocess.PIPE
