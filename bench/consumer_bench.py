@@ -347,8 +347,8 @@ def notify(db: common.BenchDb, options: Options) -> list[Figure]:
     listening = threading.Thread(target=drain, daemon=True)
     listening.start()
     modes = [
-        ("produce-notify", "after commit (default)", 0.9),
-        ("produce-notify-tx", "in the transaction", None),
+        ("produce-notify-tx", "in the transaction (default)", 0.9),
+        ("produce-notify", "after commit", None),
     ]
     try:
         for kind, mode, bar in modes:

@@ -25,10 +25,11 @@ DEFAULTS: dict[str, Any] = {
     "API_MAX_WAIT_SECONDS": 60,
     "API_MAX_WAITERS": 1000,
     "API_REPLAY_PRUNE_INTERVAL_SECONDS": 60.0,
-    # Producer commits send a wake-up per created delivery (see wakeups.py): right
-    # after the commit, or (IN_TRANSACTION) from the insert itself, which costs more.
+    # Producer commits send a wake-up per created delivery (see wakeups.py): from the
+    # insert itself, delivered with the commit, or (IN_TRANSACTION False) in a
+    # statement of their own right after it.
     "NOTIFY": True,
-    "NOTIFY_IN_TRANSACTION": False,
+    "NOTIFY_IN_TRANSACTION": True,
     # Claims a delivery may use; an expired lease past it is settled failed. None: no cap.
     "MAX_ATTEMPTS": 20,
     # How long terminal deliveries are kept (prune_deliveries, reap_deliveries --prune).

@@ -1,9 +1,9 @@
 """Wake-ups: the producer's commit notifies, a consumer listens and claims sooner.
 
 A commit that creates deliveries sends one notification per created row on
-``WAKE_CHANNEL``: by default right after its transaction commits (``on_commit``, in a
-statement of its own), or with ``WORKFLOW_DELIVERY_NOTIFY_IN_TRANSACTION`` from the
-inserting statement itself, which PostgreSQL delivers on commit. Either way a
+``WAKE_CHANNEL``: by default from the inserting statement itself, which PostgreSQL
+delivers with the commit, or, with ``WORKFLOW_DELIVERY_NOTIFY_IN_TRANSACTION = False``,
+right after the commit (``on_commit``, in a statement of its own). Either way a
 rolled-back commit sends nothing. The payload is identifiers only
 (``<community uuid>:<target hex>:<delivery uuid>``), never content. A wake is an
 accelerator: the claim it prompts goes through the ordinary claim path, and polling
