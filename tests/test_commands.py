@@ -18,6 +18,7 @@ from django.db import connection, connections
 
 from buzz_project.demo import data as demo
 from tests import factories
+from tests.sessions import other_sessions
 from workflow_delivery import fence
 from workflow_delivery.models import WorkflowAgentDelivery
 from workflow_delivery.runner import logger as reaper_logger
@@ -442,15 +443,6 @@ def test_simulated_agents_settle_deliveries_and_close_their_connections():
     while other_sessions() and time.monotonic() < deadline:
         time.sleep(0.05)
     assert other_sessions() == 0
-
-
-def other_sessions() -> int:
-    with connection.cursor() as cursor:
-        cursor.execute(
-            "SELECT count(*) FROM pg_stat_activity "
-            "WHERE datname = current_database() AND pid <> pg_backend_pid()"
-        )
-        return cursor.fetchone()[0]
 
 
 @pytest.mark.parametrize(

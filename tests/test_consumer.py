@@ -12,6 +12,7 @@ from django.db import connection
 
 from tests import factories
 from tests.consumer_handlers import CREATE_EFFECTS, EFFECTS, write_effect
+from tests.sessions import other_sessions
 from workflow_delivery import services, wakeups
 from workflow_delivery.consumer import Consumer, ConsumerStats, DeliveryContext
 from workflow_delivery.exceptions import LeaseLostError, ProtocolError
@@ -92,15 +93,6 @@ class Recorder:
         self.entered.set()
         if self.body is not None:
             self.body(record, lease, context)
-
-
-def other_sessions() -> int:
-    with connection.cursor() as cursor:
-        cursor.execute(
-            "SELECT count(*) FROM pg_stat_activity "
-            "WHERE datname = current_database() AND pid <> pg_backend_pid()"
-        )
-        return cursor.fetchone()[0]
 
 
 def started(consumer: Consumer) -> int:

@@ -3,6 +3,8 @@ with what the database holds."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 from django.db import connection
 from django.db.models import Count, Min
@@ -27,6 +29,16 @@ def scrape(client) -> dict[str, dict[tuple, float]]:
             labels = tuple(sorted(sample.labels.items()))
             samples.setdefault(sample.name, {})[labels] = sample.value
     return samples
+
+
+def growth(before: dict, after: dict) -> Callable[..., float]:
+    """How much a counter (by name and label values) grew between two scrapes."""
+
+    def grew(name: str, **label_values: str) -> float:
+        key = tuple(sorted(label_values.items()))
+        return after[name][key] - before[name][key]
+
+    return grew
 
 
 def labels(community: Community, **extra: str) -> tuple:
@@ -103,10 +115,7 @@ def test_counters_follow_what_this_process_did(client, two_communities):
         factories.committed(quiet)
     after = scrape(client)
 
-    def grew(name: str, **label_values: str) -> float:
-        key = tuple(sorted(label_values.items()))
-        return after[name][key] - before[name][key]
-
+    grew = growth(before, after)
     assert grew("workflow_delivery_claims_total") == 2
     assert grew("workflow_delivery_settles_total", outcome="finished") == 1
     assert grew("workflow_delivery_settles_total", outcome="failed") == 0
@@ -145,10 +154,7 @@ def test_batches_and_holding_blocks_are_counted_like_single_calls(
         pytest.fail("a released lease must not enter")
     after = scrape(client)
 
-    def grew(name: str, **label_values: str) -> float:
-        key = tuple(sorted(label_values.items()))
-        return after[name][key] - before[name][key]
-
+    grew = growth(before, after)
     assert grew("workflow_delivery_claims_total") == 4
     assert grew("workflow_delivery_settles_total", outcome="finished") == 2
     assert grew("workflow_delivery_settles_total", outcome="failed") == 1
