@@ -24,10 +24,8 @@ from .protocol import (
     DeliveryBinding,
     DeliveryRecord,
     EventCause,
-    Lease,
     ScheduleCause,
     WebhookCause,
-    _trusted,
     stored_binding,
     stored_cause,
     stored_status,
@@ -263,20 +261,6 @@ def cause_columns(binding: DeliveryBinding) -> list[object]:
         cause.scheduled_for if isinstance(cause, ScheduleCause) else None,
         cause.invocation_id if isinstance(cause, WebhookCause) else None,
     ]
-
-
-def lease_of(community_id: UUID, target_pubkey: bytes, record: DeliveryRecord) -> Lease:
-    """The lease a claim just took: the claimant's checked community and target, and
-    the row's id, generation and lease end as the database returned them (a ``Lease``
-    built field by field would check each again)."""
-    return _trusted(
-        Lease,
-        community_id=community_id,
-        delivery_id=record.id,
-        target_pubkey=target_pubkey,
-        generation=record.lease_generation,
-        lease_until=record.lease_until,
-    )
 
 
 def record(row: Sequence) -> DeliveryRecord:

@@ -462,6 +462,20 @@ def stored_binding(
     )
 
 
+def stored_lease(community_id: UUID, target_pubkey: bytes, record: DeliveryRecord) -> Lease:
+    """The lease a claim just took, not re-validated: the claimant's community and
+    target (checked on the way in) and the row's id, generation and lease end as the
+    database returned them. Never for a lease coming in."""
+    return _trusted(
+        Lease,
+        community_id=community_id,
+        delivery_id=record.id,
+        target_pubkey=target_pubkey,
+        generation=record.lease_generation,
+        lease_until=record.lease_until,
+    )
+
+
 def stored_status(value: str) -> DeliveryStatus:
     """A status read back from the table (its CHECK allows only the four)."""
     return _STATUSES[value]

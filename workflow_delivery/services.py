@@ -51,6 +51,7 @@ from .protocol import (
     as_datetime,
     as_step_id,
     as_uuid,
+    stored_lease,
 )
 from .wakeups import WAKE_CHANNEL, format_wake
 
@@ -365,7 +366,7 @@ def claim_delivery(
         return None
     counters.CLAIMS.inc()
     record = db.record(row)
-    return db.lease_of(community_id, target_pubkey, record), record
+    return stored_lease(community_id, target_pubkey, record), record
 
 
 def renew_delivery(
@@ -620,7 +621,7 @@ def claim_deliveries(
     # UPDATE … RETURNING has no order of its own; hand the rows out as picked.
     records.sort(key=lambda record: (record.created_at, record.id))
     counters.CLAIMS.inc(len(records))
-    return [(db.lease_of(community_id, target_pubkey, record), record) for record in records]
+    return [(stored_lease(community_id, target_pubkey, record), record) for record in records]
 
 
 def _outcome(value: object) -> Outcome:

@@ -110,17 +110,18 @@ _ON_CONFLICT = (
 # The fence's INSERT check runs once per statement, on the rows it created
 # (migration 0010): a retry whose rows are all skipped would pass unasked. The
 # producer's statements ask it first themselves, so such a retry is refused too.
-_TABLE = WorkflowAgentDelivery._meta.db_table
-_REQUIRE_WRITE = f"""
-fence AS MATERIALIZED (
-    SELECT wd_require_community_write(%s::uuid, 'INSERT', '{_TABLE}', current_schema())::text
-           AS fenced{{after}}
-)"""
+def _fence_cte(after: str = "") -> str:
+    """The CTE ``fence``: the fence's check of the community (the first parameter),
+    evaluated once ``after`` (a FROM clause naming an earlier CTE) has been."""
+    table = WorkflowAgentDelivery._meta.db_table
+    check = f"wd_require_community_write(%s::uuid, 'INSERT', '{table}', current_schema())"
+    return f"fence AS MATERIALIZED (SELECT {check}::text AS fenced {after})"
+
 
 # The insert of a step's deliveries, one array per column (``db.insert_columns``);
 # an existing identity is skipped. Parameters: the fence's community, then the arrays.
 INSERT_DELIVERIES = f"""
-WITH {_REQUIRE_WRITE.format(after="").strip()}
+WITH {_fence_cte()}
 INSERT INTO {DELIVERIES} ({_INSERT_COLUMNS})
 SELECT v.* FROM ({_INSERT_ROWS}) AS v CROSS JOIN fence
 {_ON_CONFLICT}
@@ -133,7 +134,7 @@ SELECT v.* FROM ({_INSERT_ROWS}) AS v CROSS JOIN fence
 # run and step for the lock, the fence's community, then the arrays.
 LOCK_AND_INSERT_DELIVERIES = f"""
 WITH step_lock AS MATERIALIZED ({LOCK_STEP_IDENTITY.strip()}::text AS locked),
-{_REQUIRE_WRITE.format(after=" FROM step_lock").strip()}
+{_fence_cte("FROM step_lock")}
 INSERT INTO {DELIVERIES} ({_INSERT_COLUMNS})
 SELECT v.* FROM ({_INSERT_ROWS}) AS v CROSS JOIN fence
 {_ON_CONFLICT}
