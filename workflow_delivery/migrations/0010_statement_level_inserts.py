@@ -14,8 +14,9 @@ trigger 14 µs (a PL/pgSQL call, the shared lock and a lookup of the community).
   trigger that runs 0006's check (``wd_require_community_write``, the row function's
   check as a function of its own) once for each community among the statement's new
   rows. ``wd_community_write_fence`` keeps guarding UPDATE and DELETE row by row. The
-  check still comes before the commit and holds the shared lock until it, so the deletion executor's exclusive lock still
-  waits for every writer that passed, and a statement refused by it writes nothing.
+  check still comes before the commit and holds the shared lock until it, so the
+  deletion executor's exclusive lock still waits for every writer that passed, and a
+  statement refused by it writes nothing.
   What changes: an INSERT that creates no row (every row skipped by ``ON CONFLICT DO
   NOTHING``) writes nothing and is no longer refused, and another error of the same
   statement (a duplicate key, a foreign key) is reported before the fence's. The
