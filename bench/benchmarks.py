@@ -182,8 +182,7 @@ def producer(db: common.BenchDb, options: Options) -> list[Figure]:
         rates: dict[str, list[float]] = {SERVICE: [], BASELINE: []}
         for round_ in range(1, options.rounds + 1):
             with db.connect() as conn:
-                common.truncate_deliveries(conn)
-                tenant = common.create_tenant(conn, "producer")
+                tenant = common.producer_tenant(conn, "producer")
             specs = [
                 Spec("produce", BOTH, i, db, tenant, step_size=size, label=f"r{round_}")
                 for i in range(workers)
@@ -212,10 +211,9 @@ def bare(db: common.BenchDb, options: Options) -> list[Figure]:
     rates: dict[str, list[float]] = {SERVICE: [], BASELINE: []}
     for round_ in range(1, options.rounds + 1):
         with db.connect() as conn:
-            common.truncate_deliveries(conn)
             conn.execute(CREATE_BARE_TABLE)
             conn.execute(f"TRUNCATE {BARE_TABLE}")
-            tenant = common.create_tenant(conn, "bare")
+            tenant = common.producer_tenant(conn, "bare")
         specs = [
             Spec("bare", BOTH, i, db, tenant, step_size=BARE_STEP, label=f"b{round_}")
             for i in range(workers)

@@ -11,7 +11,8 @@ API (stable for ``bench/chaos.py`` and friends):
   statements, as the baselines use).
 - ``BenchDb.connect()`` / ``connect(conninfo)``: an autocommit psycopg connection.
 - ``create_tenant(conn, label)`` → ``Tenant``; ``seed_deliveries(conn, tenant, count,
-  state=…)``; ``truncate_deliveries(conn)``; ``vacuum(conn)``.
+  state=…)``; ``truncate_deliveries(conn)``; ``vacuum(conn)``; ``producer_tenant(conn,
+  label)`` (an emptied, analysed table for a producer phase).
 - ``target_key(i)``: the 32-byte pubkey of target ``i``; ``TARGETS`` = 64.
 - ``percentile(values, q)``.
 - ``api_server(database_url, server="uvicorn", workers=1)``: context manager; the
@@ -266,6 +267,29 @@ def seed_deliveries(
 
 def truncate_deliveries(conn: psycopg.Connection) -> None:
     conn.execute("TRUNCATE workflow_delivery_timeline, workflow_agent_deliveries")
+
+
+# Terminal rows a producer phase starts beside: enough for ANALYZE to know the table.
+PRODUCER_HISTORY = 2_000
+
+
+def producer_tenant(conn: psycopg.Connection, label: str) -> Tenant:
+    """An emptied table holding one new tenant, with ``PRODUCER_HISTORY`` settled rows
+    of its own and fresh statistics, for a phase that commits new steps.
+
+    A table that is empty and never analysed is planned as a few pages: every index
+    whose first column is ``community_id`` then costs the same as the (community_id,
+    id) key, and the plan a session caches for a foreign-key check on its first
+    statement may read the whole community per row for as long as the session lives
+    (until autovacuum's ANALYZE invalidates it, up to a minute later). Whichever side
+    of a phase wrote first would pay it; a production table is analysed."""
+    truncate_deliveries(conn)
+    tenant = create_tenant(conn, label)
+    seed_deliveries(
+        conn, tenant, PRODUCER_HISTORY, state=TERMINAL, prefix="settled-", progress=False
+    )
+    vacuum(conn)
+    return tenant
 
 
 def vacuum(conn: psycopg.Connection) -> None:

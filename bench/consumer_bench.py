@@ -356,8 +356,7 @@ def notify(db: common.BenchDb, options: Options) -> list[Figure]:
                 rates: dict[str, list[float]] = {SERVICE: [], BASELINE: []}
                 for round_ in range(1, options.rounds + 1):
                     with db.connect() as conn:
-                        common.truncate_deliveries(conn)
-                        tenant = common.create_tenant(conn, "notify")
+                        tenant = common.producer_tenant(conn, "notify")
                     specs = [
                         Spec(kind, BOTH, i, db, tenant, step_size=size, label=f"r{round_}")
                         for i in range(workers)
