@@ -1,5 +1,6 @@
-"""The machinery under the operations: the cursor the app's statements run on, the
-decoding of a delivery row into its record, and the compiled claim statement.
+"""The machinery under the operations: where the app's statements run (the connection's
+lane in autocommit, else a cursor), the decoding of a delivery row into its record, and
+the compiled claim statement.
 
 ``services`` says *what* each operation does; this module says how a statement reaches
 PostgreSQL and how its answer comes back.
@@ -7,16 +8,18 @@ PostgreSQL and how its answer comes back.
 
 from __future__ import annotations
 
+import _thread
 import logging
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from datetime import UTC, datetime, timedelta
-from typing import Any
+from typing import Any, NoReturn
 from uuid import UUID
 
 from django.db import DatabaseError, connections, transaction
 from django.db.models.expressions import RawSQL
 
+from . import lane as _lane
 from . import sql
 from .conf import app_settings
 from .models import WorkflowAgentDelivery
@@ -93,18 +96,26 @@ if psycopg is not None:
             return super().execute(query, params, prepare=False, binary=True)
 
 
-def _sync_timeline(wrapper: Any, raw: Any) -> None:
-    """Tell this session whether the timeline trigger records (``WORKFLOW_DELIVERY_TIMELINE``).
-    A session setting, sent once per connection and again only when the setting changes;
-    a session that never hears it records (the database's default)."""
+def _sync_timeline(wrapper: Any, raw: Any, send: Callable[[str, list[str]], object]) -> None:
+    """Tell this session whether the timeline trigger records (``WORKFLOW_DELIVERY_TIMELINE``),
+    by ``send(statement, params)``. A session setting, sent once per connection and again
+    only when the setting changes; a session that never hears it records (the
+    database's default)."""
     wanted = bool(app_settings.TIMELINE)
-    told = getattr(wrapper, "_wd_timeline", None)
+    told = wrapper.__dict__.get("_wd_timeline")
     recording = told[1] if told is not None and told[0] == id(raw) else True
     if recording == wanted:
         return
-    with wrapper.cursor() as setter:
-        setter.execute(sql.SET_TIMELINE, ["on" if wanted else "off"])
+    send(sql.SET_TIMELINE, ["on" if wanted else "off"])
     wrapper._wd_timeline = (id(raw), wanted)
+
+
+def _send_through_django(wrapper: Any) -> Callable[[str, list[str]], object]:
+    def send(statement: str, params: list[str]) -> None:
+        with wrapper.cursor() as setter:
+            setter.execute(statement, params)
+
+    return send
 
 
 # Where a connection keeps the prepared cursor its statements reuse.
@@ -153,7 +164,7 @@ class _Scope:
             wrapper.close_if_health_check_failed()
         wrapper.ensure_connection()
         raw = wrapper.connection
-        _sync_timeline(wrapper, raw)
+        _sync_timeline(wrapper, raw, _send_through_django(wrapper))
         self._cursor = self._django = None
         self._reused = False
         native = psycopg is not None and isinstance(raw, psycopg.Connection)
@@ -251,6 +262,80 @@ def cursor(using: str, *, savepoint: bool = True) -> _Scope:
     never prepared, whatever this setting or the host's psycopg options say.
     """
     return _Scope(using, savepoint)
+
+
+# Where a connection keeps its lane (``lane.Lane``, bound to one raw connection).
+_LANE = "_workflow_delivery_lane"
+
+
+def _lane_for(wrapper: Any, using: str) -> _lane.Lane | None:
+    """The connection's lane, when a statement outside any transaction may take it:
+    psycopg 3 with the app's statements prepared (``WORKFLOW_DELIVERY_PREPARED_STATEMENTS``),
+    the session in autocommit and idle, this thread the connection's only user.
+    Anything else takes the cursor path, which does or refuses it the way Django's
+    cursor would.
+
+    Only autocommit: psycopg answers every ROLLBACK it runs (a savepoint's too) with a
+    DEALLOCATE ALL, which also drops the lane's statements. Outside a transaction the
+    lane notices (``lane.Lane.run``) and prepares again, since nothing ran; inside one
+    the failed statement would already have aborted the caller's transaction."""
+    if not (_lane.AVAILABLE and app_settings.PREPARED_STATEMENTS):
+        return None
+    if wrapper.health_check_enabled and not wrapper.health_check_done:
+        return None
+    # Refuses inside an event loop, as Django's cursor() does; opens a closed connection.
+    wrapper.ensure_connection()
+    raw = wrapper.connection
+    lane = wrapper.__dict__.get(_LANE)
+    if lane is None or lane.raw is not raw:
+        if not isinstance(raw, psycopg.Connection):
+            return None
+        with wrapper.wrap_database_errors:
+            pooled = _behind_pooler(raw, using)
+        lane = wrapper.__dict__[_LANE] = _lane.Lane(raw, prepare=not pooled)
+    # Django's thread check, without its lock: a connection shared between threads
+    # takes the cursor path (one cursor per statement, psycopg's lock around it).
+    if wrapper.__dict__.get("_thread_ident") != _thread.get_ident() or wrapper.__dict__.get(
+        "_thread_sharing_count", 1
+    ):
+        return None
+    if lane.transaction_status != _lane.IDLE or not raw.autocommit:
+        return None
+    return lane
+
+
+def _raise_mapped(wrapper: Any, exc: BaseException) -> NoReturn:
+    """Raise ``exc`` (psycopg's) as Django's cursor would have (which also marks the
+    connection for Django's end-of-request check), then as its domain error if any."""
+    try:
+        with wrapper.wrap_database_errors:
+            raise exc
+    except DatabaseError as translated:
+        _map_error(translated)
+        raise
+
+
+def fetch(
+    using: str, statement: str, params: Sequence[object], *, savepoint: bool = True
+) -> list[tuple]:
+    """Run one of the app's statements and return every row it answers, with database
+    errors made domain errors.
+
+    In autocommit the statement is its own transaction, sent through the connection's
+    lane (``lane.Lane``) when it may take it. Inside the caller's transaction it runs
+    on ``cursor()``, under a savepoint of its own unless ``savepoint`` is false, so a
+    refused statement leaves the caller's work usable."""
+    wrapper = connections[using]
+    lane = None if wrapper.in_atomic_block else _lane_for(wrapper, using)
+    if lane is None:
+        with _Scope(using, savepoint) as cursor:
+            cursor.execute(statement, params)
+            return cursor.fetchall()
+    try:
+        _sync_timeline(wrapper, lane.raw, lane.run)
+        return lane.run(statement, params)
+    except psycopg.Error as exc:
+        _raise_mapped(wrapper, exc)
 
 
 def cause_columns(binding: DeliveryBinding) -> list[object]:

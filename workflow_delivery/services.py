@@ -119,7 +119,9 @@ def _new_deliveries(deliveries: object) -> list[NewDelivery]:
     return batch
 
 
-def _insert_deliveries(cursor: Any, insert: str, params: list[object], using: str) -> list[UUID]:
+def _insert_deliveries(
+    insert: str, params: list[object], using: str, *, savepoint: bool = True
+) -> list[UUID]:
     """Run a delivery insert (rows: id, community_id, target_pubkey) and return the
     created ids, with a wake-up per created row when ``WORKFLOW_DELIVERY_NOTIFY`` is on.
 
@@ -130,8 +132,8 @@ def _insert_deliveries(cursor: Any, insert: str, params: list[object], using: st
     transaction commits, in a statement of their own (``on_commit``; a rollback drops
     them), and a producer that dies in between sends none."""
     in_statement = app_settings.NOTIFY and app_settings.NOTIFY_IN_TRANSACTION
-    cursor.execute(sql.notifying(insert) if in_statement else insert, params)
-    rows = cursor.fetchall()
+    statement = sql.notifying(insert) if in_statement else insert
+    rows = db.fetch(using, statement, params, savepoint=savepoint)
     if rows and app_settings.NOTIFY and not in_statement:
         payloads = [format_wake(community, target, id_) for id_, community, target in rows]
         transaction.on_commit(partial(_send_wakes, payloads, using), using=using)
@@ -242,10 +244,9 @@ class StepIdentity:
                 f"{self!r}: its delivery_identity block has closed; commit inside the block"
             )
         params = self._values(message_event_created_at, _new_deliveries(deliveries))
-        with db.cursor(self._using, savepoint=False) as cursor:
-            created = _insert_deliveries(
-                cursor, sql.INSERT_DELIVERIES, [self.community_id, *params], self._using
-            )
+        created = _insert_deliveries(
+            sql.INSERT_DELIVERIES, [self.community_id, *params], self._using, savepoint=False
+        )
         if created:
             self.exists = True
         return created
@@ -295,11 +296,8 @@ def commit_deliveries(
     lock = [str(identity.community_id), str(identity.run_id), identity.step_id]
     # One statement takes the step's identity lock and inserts every row: in
     # autocommit it is its own transaction (all rows or none), else the caller's.
-    with db.cursor(using) as cursor:
-        fence = [identity.community_id]
-        return _insert_deliveries(
-            cursor, sql.LOCK_AND_INSERT_DELIVERIES, [*lock, *fence, *params], using
-        )
+    fence = [identity.community_id]
+    return _insert_deliveries(sql.LOCK_AND_INSERT_DELIVERIES, [*lock, *fence, *params], using)
 
 
 def _claim_filters(
@@ -359,13 +357,11 @@ def claim_delivery(
     # One statement: the locking SELECT and the UPDATE share one transaction (the
     # statement's own in autocommit, or the caller's), so the row lock lasts exactly
     # as long as needed.
-    with db.cursor(using) as cursor:
-        cursor.execute(statement, [*params, seconds])
-        row = cursor.fetchone()
-    if row is None:
+    rows = db.fetch(using, statement, [*params, seconds])
+    if not rows:
         return None
     counters.CLAIMS.inc()
-    record = db.record(row)
+    record = db.record(rows[0])
     return stored_lease(community_id, target_pubkey, record), record
 
 
@@ -376,13 +372,11 @@ def renew_delivery(
     lease is lost and cannot revive itself."""
     params = _lease_params(lease)
     seconds = _lease_seconds(lease_seconds)
-    with db.cursor(using) as cursor:
-        cursor.execute(sql.RENEW, [seconds, *params])
-        row = cursor.fetchone()
-    if row is None:
+    rows = db.fetch(using, sql.RENEW, [seconds, *params])
+    if not rows:
         counters.LEASES_LOST.inc()
         return LeaseLost()
-    return Renewed(lease_until=row[0])
+    return Renewed(lease_until=rows[0][0])
 
 
 def finish_delivery(
@@ -392,17 +386,14 @@ def finish_delivery(
     reports the recorded status; anyone else gets LeaseLost."""
     params = _lease_params(lease)
     outcome = _outcome(outcome)
-    with db.cursor(using) as cursor:
-        cursor.execute(sql.FINISH, [outcome.value, *params])
-        if cursor.fetchone() is not None:
-            counters.SETTLED[outcome.value].inc()
-            return Settled(outcome=outcome)
-        # Nothing settled: look at the row by the caller's full capability (same
-        # generation), in a fresh statement so a concurrent settle is visible.
-        cursor.execute(sql.STATUS_BY_CAPABILITY, params)
-        row = cursor.fetchone()
-    if row is not None and DeliveryStatus(row[0]).is_terminal:
-        return AlreadyTerminal(status=DeliveryStatus(row[0]))
+    if db.fetch(using, sql.FINISH, [outcome.value, *params]):
+        counters.SETTLED[outcome.value].inc()
+        return Settled(outcome=outcome)
+    # Nothing settled: look at the row by the caller's full capability (same
+    # generation), in a fresh statement so a concurrent settle is visible.
+    rows = db.fetch(using, sql.STATUS_BY_CAPABILITY, params)
+    if rows and DeliveryStatus(rows[0][0]).is_terminal:
+        return AlreadyTerminal(status=DeliveryStatus(rows[0][0]))
     counters.LEASES_LOST.inc()
     return LeaseLost()
 
@@ -580,10 +571,13 @@ def reap_deliveries(
         # sweep never holds more than ``size`` row locks at once. The statement names
         # the reaper as its actor; inside a caller's transaction that setting would
         # outlive the batch, so there the block also clears it.
-        in_caller = connections[using].in_atomic_block
-        with _transaction_as("reaper", using) if in_caller else db.cursor(using) as cursor:
-            cursor.execute(sql.REAP_BATCH, [size, size, size, cap, cap])
-            count, failed, locked = cursor.fetchone()
+        params = [size, size, size, cap, cap]
+        if connections[using].in_atomic_block:
+            with _transaction_as("reaper", using) as cursor:
+                cursor.execute(sql.REAP_BATCH, params)
+                count, failed, locked = cursor.fetchone()
+        else:
+            ((count, failed, locked),) = db.fetch(using, sql.REAP_BATCH, params)
         if locked and on_locked is not None:
             on_locked(list(locked))
         reclaimed += count - failed
@@ -615,9 +609,8 @@ def claim_deliveries(
     seconds = _lease_seconds(lease_seconds)
     # One statement: the locking SELECT and the UPDATE share its transaction, so the
     # row locks last exactly as long as needed (or the caller's transaction).
-    with db.cursor(using) as cursor:
-        cursor.execute(sql.CLAIM_BATCH, [community_id, target_pubkey, limit, seconds])
-        records = [db.record(row) for row in cursor.fetchall()]
+    rows = db.fetch(using, sql.CLAIM_BATCH, [community_id, target_pubkey, limit, seconds])
+    records = [db.record(row) for row in rows]
     # UPDATE … RETURNING has no order of its own; hand the rows out as picked.
     records.sort(key=lambda record: (record.created_at, record.id))
     counters.CLAIMS.inc(len(records))
@@ -662,9 +655,7 @@ def finish_deliveries(
         slots.append(first_of[key])
     if not pairs:
         return []
-    with db.cursor(using) as cursor:
-        cursor.execute(sql.FINISH_BATCH, columns)
-        rows = cursor.fetchall()
+    rows = db.fetch(using, sql.FINISH_BATCH, columns)
     distinct: list[Settled | AlreadyTerminal | LeaseLost] = [LeaseLost()] * len(columns[0])
     for n, settled, status in rows:
         if settled:
@@ -729,9 +720,7 @@ def prune_deliveries(
         nonlocal total
         # One short transaction per batch: the try-locks on the communities and the
         # row locks end with it.
-        with db.cursor(using) as cursor:
-            cursor.execute(sql.PRUNE_BATCH, [cutoff, size])
-            count = len(cursor.fetchall())
+        count = len(db.fetch(using, sql.PRUNE_BATCH, [cutoff, size]))
         total += count
         return count
 
@@ -811,10 +800,7 @@ def release_deliveries(
 def release_lease(lease: Lease, *, using: str = DEFAULT_DB_ALIAS) -> bool:
     """The holder gives its live lease back: the delivery returns to pending with the
     fence bumped. False (nothing changed) when the lease was no longer live."""
-    params = _lease_params(lease)
-    with db.cursor(using) as cursor:
-        cursor.execute(sql.RELEASE_LEASE, params)
-        return cursor.fetchone() is not None
+    return bool(db.fetch(using, sql.RELEASE_LEASE, _lease_params(lease)))
 
 
 def fail_deliveries(
@@ -846,11 +832,8 @@ def record_request_event(
     if not is_whole_number(created_at) or not 0 <= created_at < 2**40:
         raise ProtocolError("created_at", f"must be a whole number of seconds, not {created_at!r}")
     skew = app_settings.API_MAX_CLOCK_SKEW_SECONDS
-    with db.cursor(using) as cursor:
-        cursor.execute(
-            sql.ACCEPT_REQUEST_EVENT, [created_at, skew, community_id, event_id, created_at]
-        )
-        fresh, recorded = cursor.fetchone()
+    params = [created_at, skew, community_id, event_id, created_at]
+    ((fresh, recorded),) = db.fetch(using, sql.ACCEPT_REQUEST_EVENT, params)
     return bool(fresh), bool(recorded)
 
 

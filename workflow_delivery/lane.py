@@ -1,0 +1,138 @@
+"""The app's statements sent straight through libpq, below psycopg's cursor.
+
+A statement of the app needs little of what psycopg's cursor does around it: no DB-API
+description, no per-call row maker, no preparation bookkeeping keyed by the query text.
+A ``Lane`` belongs to one psycopg 3 connection. It prepares each statement once under
+a name of its own (or, behind a pooler, sends it unnamed every time), binds the
+parameters with psycopg's own dumpers, waits through psycopg's own wait (so Ctrl-C
+cancels the query as it would in a cursor), and loads the rows with psycopg's loaders.
+
+It sends nothing but the statement: every Django check stays with the caller
+(``db.fetch``), which hands a statement to the lane only when the connection is in
+autocommit and idle, so each statement is its own transaction. What it
+uses of psycopg beyond the documented ``Connection.pgconn`` is looked up once here;
+without it (or without psycopg 3) ``AVAILABLE`` is false and every statement takes
+the cursor path.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from typing import Any
+
+try:
+    import psycopg
+    from psycopg import pq
+    from psycopg.adapt import PyFormat, Transformer
+    from psycopg.errors import error_from_result
+    from psycopg.generators import execute as _results_of
+except ImportError:  # psycopg2, or a psycopg 3 without these: the cursor path only
+    psycopg = None
+
+AVAILABLE = psycopg is not None and callable(getattr(psycopg.Connection, "wait", None))
+
+if AVAILABLE:
+    _BINARY = pq.Format.BINARY
+    _FAILED = pq.ExecStatus.FATAL_ERROR
+    IDLE = pq.TransactionStatus.IDLE
+
+# The server's answer to a prepared statement that is not there: psycopg sends
+# DEALLOCATE ALL after a ROLLBACK once it has prepared statements of its own, and a
+# host may DISCARD ALL.
+_NO_SUCH_STATEMENT = "26000"
+
+_PLACEHOLDER = re.compile(r"%(%|s)")
+
+
+def numbered(statement: str) -> bytes:
+    """``statement`` with psycopg's ``%s`` placeholders numbered for libpq (``$1`` …)
+    and ``%%`` turned back into ``%``."""
+    count = 0
+
+    def replace(match: re.Match[str]) -> str:
+        nonlocal count
+        if match[1] == "%":
+            return "%"
+        count += 1
+        return f"${count}"
+
+    return _PLACEHOLDER.sub(replace, statement).encode()
+
+
+class Lane:
+    """One connection's statements, prepared once each (unless ``prepare`` is false)."""
+
+    __slots__ = ("_formats", "_names", "_pgconn", "_prepare", "_queries", "_tx", "raw")
+
+    def __init__(self, raw: Any, *, prepare: bool) -> None:
+        self.raw = raw
+        self._pgconn = raw.pgconn
+        self._prepare = prepare
+        # Dumpers and loaders by type, kept across statements as a cursor keeps its own.
+        self._tx = Transformer(raw)
+        self._queries: dict[str, bytes] = {}
+        # Prepared name by statement and parameter types: psycopg picks a type per
+        # value (an int may be int2, int4 or int8), and each set of types is its own
+        # statement on the server, as it is for psycopg's own preparation.
+        self._names: dict[tuple[str, tuple[int, ...]], bytes] = {}
+        self._formats: dict[int, list[PyFormat]] = {}
+
+    @property
+    def transaction_status(self) -> Any:
+        return self._pgconn.transaction_status
+
+    def run(self, statement: str, params: Sequence[object]) -> list[tuple]:
+        """Every row ``statement`` answers with ``params``; a database error is raised
+        as psycopg raises it."""
+        try:
+            return self._run(statement, params)
+        except psycopg.Error as exc:
+            if getattr(exc, "sqlstate", None) != _NO_SUCH_STATEMENT or not self._names:
+                raise
+        # Our prepared statements were dropped under us. The statement never ran (the
+        # server refused its Bind) and, in autocommit, aborted nothing: prepare again
+        # and send it once more.
+        self._names.clear()
+        return self._run(statement, params)
+
+    def _run(self, statement: str, params: Sequence[object]) -> list[tuple]:
+        tx, pgconn = self._tx, self._pgconn
+        count = len(params)
+        formats = self._formats.get(count)
+        if formats is None:
+            # AUTO, as a cursor's %s: the same types and formats the cursor path binds.
+            formats = self._formats[count] = [PyFormat.AUTO] * count
+        values = tx.dump_sequence(params, formats)
+        query = self._queries.get(statement)
+        if query is None:
+            query = self._queries[statement] = numbered(statement)
+        if self._prepare:
+            types = tuple(tx.types)
+            name = self._names.get((statement, types))
+            if name is None:
+                name = b"workflow_delivery_%d" % len(self._names)
+                pgconn.send_prepare(name, query, param_types=types)
+                self._check(self.raw.wait(_results_of(pgconn)))
+                self._names[statement, types] = name
+            pgconn.send_query_prepared(
+                name, values, param_formats=tx.formats, result_format=_BINARY
+            )
+        else:
+            # Behind a pooler a name could denote another client's statement.
+            pgconn.send_query_params(
+                query,
+                values,
+                param_types=tx.types,
+                param_formats=tx.formats,
+                result_format=_BINARY,
+            )
+        result = self._check(self.raw.wait(_results_of(pgconn)))
+        tx.set_pgresult(result)
+        return tx.load_rows(0, result.ntuples, tuple)
+
+    def _check(self, results: list[Any]) -> Any:
+        for result in results:
+            if result.status == _FAILED:
+                raise error_from_result(result, encoding=self.raw.info.encoding)
+        return results[-1]
