@@ -61,6 +61,9 @@ _BIGINT_MAX = 2**63 - 1
 
 def _uuid(field: str, value: object) -> UUID:
     """A ``UUID``, or its canonical lowercase hyphenated string, as a ``UUID``."""
+    if type(value) is UUID:
+        # Immutable: the caller's value is the value.
+        return value
     if isinstance(value, UUID):
         return UUID(int=value.int)
     if isinstance(value, str) and len(value) == 36:
@@ -76,6 +79,8 @@ def _uuid(field: str, value: object) -> UUID:
 
 def _bytes32(field: str, value: object) -> bytes:
     """Exactly 32 bytes from a bytes-like value."""
+    if type(value) is bytes and len(value) == 32:
+        return value
     if not isinstance(value, bytes | bytearray | memoryview):
         raise ProtocolError(field, "must be bytes")
     try:
@@ -116,6 +121,8 @@ def _step_id(value: object) -> str:
         raise ProtocolError("step_id", "must not be blank")
     if "\x00" in value:
         raise ProtocolError("step_id", "must not contain NUL")
+    if value.isascii():
+        return value
     try:
         value.encode()
     except UnicodeEncodeError as exc:
