@@ -671,3 +671,25 @@ def test_get_is_scoped_to_its_community(step):
     assert services.get_delivery(step.community.id, uuid.uuid4()) is None
     record = services.get_delivery(str(step.community.id), str(delivery.id))
     assert (record.id, record.binding) == (delivery.id, delivery.binding)
+
+
+@pytest.mark.parametrize("path", ["commit_deliveries", "delivery_identity"])
+def test_a_step_whose_deliveries_differ_beyond_their_targets_stores_each_as_given(step, path):
+    """The usual step binds its shared columns once; one whose definitions or causes
+    differ between targets takes the per-column form, and each row keeps its own."""
+    bindings = [
+        step.binding(step.targets[0]),
+        step.binding(step.targets[1], definition_event_id=b"\x11" * 32),
+        step.binding(step.targets[2], cause=ScheduleCause(datetime(2031, 1, 2, tzinfo=UTC))),
+    ]
+    deliveries = [NewDelivery(uuid.uuid4(), binding) for binding in bindings]
+    if path == "commit_deliveries":
+        created = services.commit_deliveries(step.community.id, step.created_at, deliveries)
+    else:
+        with services.delivery_identity(step.community.id, step.run.id, step.step_id) as held:
+            created = held.commit(step.created_at, deliveries)
+    assert sorted(created) == sorted(item.id for item in deliveries)
+    for item in deliveries:
+        assert services.get_delivery(step.community.id, item.id).binding == item.binding
+    again = [NewDelivery(uuid.uuid4(), binding) for binding in bindings]
+    assert services.commit_deliveries(step.community.id, step.created_at, again) == []

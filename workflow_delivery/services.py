@@ -171,9 +171,12 @@ class StepIdentity:
             f"step_id={self.step_id!r}, exists={self.exists})"
         )
 
-    def _validate(self, batch: list[NewDelivery]) -> None:
+    def _validate(self, batch: list[NewDelivery]) -> bool:
+        """Check a step's batch; True when every delivery shares all of the first's
+        binding but its target (the usual step)."""
         ids, targets = set(), set()
-        message = None
+        first = batch[0].binding
+        shared = True
         for item in batch:
             binding = item.binding
             if binding.community_id != self.community_id:
@@ -189,11 +192,16 @@ class StepIdentity:
                     f"this commit is for run {self.run_id} step {self.step_id!r} "
                     "(deliveries of several steps cannot share one commit)",
                 )
-            if message is not None and binding.message_event_id != message:
+            if binding.message_event_id != first.message_event_id:
                 raise ProtocolError(
                     "message_event_id", "every delivery of a step carries the same message event"
                 )
-            message = binding.message_event_id
+            if shared and (
+                binding.workflow_id != first.workflow_id
+                or binding.definition_event_id != first.definition_event_id
+                or binding.cause != first.cause
+            ):
+                shared = False
             if item.id in ids:
                 raise ProtocolError("id", f"delivery id {item.id} appears twice in one commit")
             if binding.target_pubkey in targets:
@@ -203,14 +211,27 @@ class StepIdentity:
                 )
             ids.add(item.id)
             targets.add(binding.target_pubkey)
+        return shared
 
     def _values(
         self, message_event_created_at: datetime, batch: list[NewDelivery]
-    ) -> list[list[object]]:
-        """The insert's parameters for a batch checked by ``_new_deliveries``: one
-        list per column (``sql.INSERT_DELIVERIES`` unnests them into rows, in order)."""
+    ) -> tuple[bool, list[object]]:
+        """The insert's parameters for a batch checked by ``_new_deliveries``, and
+        whether they are for the shared form (``sql._SHARED_ROWS``: the first binding's
+        shared columns, then the ids and the targets) or one list per column
+        (``sql._INSERT_ROWS``, which unnests them into rows, in order)."""
         created_at = as_datetime("message_event_created_at", message_event_created_at)
-        self._validate(batch)
+        if self._validate(batch):
+            b = batch[0].binding
+            shared = [b.community_id, b.workflow_id, b.run_id, b.step_id]
+            shared += [b.definition_event_id, b.message_event_id, created_at]
+            ids = [item.id for item in batch]
+            return True, [
+                *shared,
+                *db.cause_columns(b),
+                ids,
+                [i.binding.target_pubkey for i in batch],
+            ]
         rows = []
         for item in batch:
             b = item.binding
@@ -228,7 +249,7 @@ class StepIdentity:
                     *db.cause_columns(b),
                 ]
             )
-        return [list(column) for column in zip(*rows, strict=True)]
+        return False, [list(column) for column in zip(*rows, strict=True)]
 
     def commit(
         self, message_event_created_at: datetime, deliveries: Iterable[NewDelivery]
@@ -243,9 +264,10 @@ class StepIdentity:
             raise StepIdentityClosed(
                 f"{self!r}: its delivery_identity block has closed; commit inside the block"
             )
-        params = self._values(message_event_created_at, _new_deliveries(deliveries))
+        shared, params = self._values(message_event_created_at, _new_deliveries(deliveries))
+        insert = sql.INSERT_SHARED_DELIVERIES if shared else sql.INSERT_DELIVERIES
         created = _insert_deliveries(
-            sql.INSERT_DELIVERIES, [self.community_id, *params], self._using, savepoint=False
+            insert, [self.community_id, *params], self._using, savepoint=False
         )
         if created:
             self.exists = True
@@ -292,12 +314,12 @@ def commit_deliveries(
     identity = StepIdentity(
         as_uuid("community_id", community_id), first.run_id, first.step_id, False, using
     )
-    params = identity._values(message_event_created_at, batch)
+    shared, params = identity._values(message_event_created_at, batch)
     lock = [str(identity.community_id), str(identity.run_id), identity.step_id]
     # One statement takes the step's identity lock and inserts every row: in
     # autocommit it is its own transaction (all rows or none), else the caller's.
-    fence = [identity.community_id]
-    return _insert_deliveries(sql.LOCK_AND_INSERT_DELIVERIES, [*lock, *fence, *params], using)
+    insert = sql.LOCK_AND_INSERT_SHARED_DELIVERIES if shared else sql.LOCK_AND_INSERT_DELIVERIES
+    return _insert_deliveries(insert, [*lock, identity.community_id, *params], using)
 
 
 def _claim_filters(

@@ -82,6 +82,26 @@ _INSERT_ROWS = (
     + ", ".join(f"%s::{kind}[]" for kind in _INSERT_TYPES.values())
     + f") AS v ({_INSERT_COLUMNS})"
 )
+# The usual step: every delivery shares all but its id and target (the same workflow,
+# run, step, definition, message and cause). Those eleven columns are bound once as
+# values, and only the ids and targets as arrays: what a producer dumps, and what
+# the statement unnests, no longer grows eleven columns' worth per delivery.
+_PER_DELIVERY = ("id", "target_pubkey")
+_SHARED_ROWS = (
+    "SELECT "
+    + ", ".join(
+        f"{'v' if column in _PER_DELIVERY else 's'}.{_q(column)}" for column in _INSERT_TYPES
+    )
+    + " FROM (SELECT "
+    + ", ".join(
+        f"%s::{kind} AS {_q(column)}"
+        for column, kind in _INSERT_TYPES.items()
+        if column not in _PER_DELIVERY
+    )
+    + ") AS s CROSS JOIN unnest("
+    + ", ".join(f"%s::{_INSERT_TYPES[column]}[]" for column in _PER_DELIVERY)
+    + f") AS v ({', '.join(_q(column) for column in _PER_DELIVERY)})"
+)
 
 # Identity lock of one (community, run, step): producers of the same step queue
 # here, so the "already exists?" answer stays true until the commit lands.
@@ -118,27 +138,32 @@ def _fence_cte(after: str = "") -> str:
     return f"fence AS MATERIALIZED (SELECT {check}::text AS fenced {after})"
 
 
-# The insert of a step's deliveries, one array per column (``db.insert_columns``);
-# an existing identity is skipped. Parameters: the fence's community, then the arrays.
-INSERT_DELIVERIES = f"""
-WITH {_fence_cte()}
+def _insert(rows: str, *, lock: bool) -> str:
+    """The insert of a step's deliveries from ``rows`` (``_INSERT_ROWS``: one array per
+    column; ``_SHARED_ROWS``: the shared columns as values, then the ids and targets);
+    an existing identity is skipped. With ``lock``, the step's identity lock comes
+    first, for a producer that does not ask whether the step exists: each CTE is
+    scanned before any row is produced, in this order (the identity lock first, as in
+    ``delivery_identity``), so no row is written without them. Parameters: community,
+    run and step for the lock (with ``lock``), the fence's community, then ``rows``'."""
+    ctes = _fence_cte()
+    if lock:
+        ctes = (
+            f"step_lock AS MATERIALIZED ({LOCK_STEP_IDENTITY.strip()}::text AS locked),\n"
+            + _fence_cte("FROM step_lock")
+        )
+    return f"""
+WITH {ctes}
 INSERT INTO {DELIVERIES} ({_INSERT_COLUMNS})
-SELECT v.* FROM ({_INSERT_ROWS}) AS v CROSS JOIN fence
+SELECT v.* FROM ({rows}) AS v CROSS JOIN fence
 {_ON_CONFLICT}
 """
 
-# The step's identity lock, the fence and the insert of its deliveries in one
-# statement, for a producer that does not ask whether the step exists. Each CTE is
-# scanned before any row is produced, in this order (the identity lock first, as in
-# ``delivery_identity``), so no row is written without them. Parameters: community,
-# run and step for the lock, the fence's community, then the arrays.
-LOCK_AND_INSERT_DELIVERIES = f"""
-WITH step_lock AS MATERIALIZED ({LOCK_STEP_IDENTITY.strip()}::text AS locked),
-{_fence_cte("FROM step_lock")}
-INSERT INTO {DELIVERIES} ({_INSERT_COLUMNS})
-SELECT v.* FROM ({_INSERT_ROWS}) AS v CROSS JOIN fence
-{_ON_CONFLICT}
-"""
+
+INSERT_DELIVERIES = _insert(_INSERT_ROWS, lock=False)
+INSERT_SHARED_DELIVERIES = _insert(_SHARED_ROWS, lock=False)
+LOCK_AND_INSERT_DELIVERIES = _insert(_INSERT_ROWS, lock=True)
+LOCK_AND_INSERT_SHARED_DELIVERIES = _insert(_SHARED_ROWS, lock=True)
 
 
 @lru_cache(maxsize=128)
