@@ -1,0 +1,109 @@
+"""Migration 0011: status changes are recorded once per statement, from the statement's
+old and new rows, with what the row trigger recorded; a delivery's key never changes."""
+
+from __future__ import annotations
+
+import pytest
+from django.db import connection
+from django.test import override_settings
+
+from tests import factories
+from tests.test_attempts_timeline import raw_sql
+from workflow_delivery import services
+from workflow_delivery.exceptions import ConstraintViolation
+from workflow_delivery.models import DeliveryTransition, WorkflowAgentDelivery
+from workflow_delivery.protocol import Outcome
+
+pytestmark = pytest.mark.django_db
+
+TARGETS = 40
+
+
+def calls_during(action) -> dict[str, int]:
+    """PostgreSQL's count of calls of the rules' functions while ``action`` runs, in
+    the test's transaction."""
+    names = ["wd_record_deliveries_moved", "wd_enforce_community_write_fence"]
+    with connection.cursor() as cursor:
+        cursor.execute("SET LOCAL track_functions = 'pl'")
+        cursor.execute(
+            "SELECT funcname, calls FROM pg_stat_xact_user_functions WHERE funcname = ANY(%s)",
+            [names],
+        )
+        before = dict(cursor.fetchall())
+        action()
+        cursor.execute(
+            "SELECT funcname, calls FROM pg_stat_xact_user_functions WHERE funcname = ANY(%s)",
+            [names],
+        )
+        after = dict(cursor.fetchall())
+    return {name: after.get(name, 0) - before.get(name, 0) for name in names}
+
+
+def entries(step: factories.Step, kind: str) -> list[tuple]:
+    rows = DeliveryTransition.objects.filter(community_id=step.community.id, kind=kind)
+    return list(rows.values_list("status_before", "status_after", "generation", "actor"))
+
+
+def claimed_step() -> factories.Step:
+    step = factories.Step(targets=TARGETS)
+    factories.committed(step)
+    for target in step.targets:
+        assert services.claim_delivery(step.community.id, target) is not None
+    return step
+
+
+def test_a_reaper_batch_records_every_lease_it_takes_in_one_call():
+    step = claimed_step()
+    WorkflowAgentDelivery.objects.filter(community_id=step.community.id).update(
+        lease_until="2000-01-01T00:00:00Z", claimed_at="1999-12-31T23:00:00Z"
+    )
+    reaped = []
+    calls = calls_during(lambda: reaped.append(services.reap_expired_deliveries(batch_size=500)))
+    assert reaped == [TARGETS]
+    # The write fence still checks row by row; the timeline writes once.
+    assert calls == {"wd_record_deliveries_moved": 1, "wd_enforce_community_write_fence": TARGETS}
+    assert entries(step, "reaped") == [("claimed", "pending", 2, "reaper")] * TARGETS
+
+
+def test_a_batch_claim_and_finish_record_each_delivery_once():
+    step = factories.Step(targets=1)
+    for n in range(5):
+        factories.committed(step)
+        step.step_id = f"step-{n + 2}"
+    claims = []
+    calls = calls_during(
+        lambda: claims.extend(
+            services.claim_deliveries(step.community.id, step.targets[0], limit=5)
+        )
+    )
+    assert len(claims) == 5 and calls["wd_record_deliveries_moved"] == 1
+    services.finish_deliveries([(lease, Outcome.FAILED) for lease, _ in claims])
+    assert entries(step, "claimed") == [("pending", "claimed", 1, "holder")] * 5
+    assert entries(step, "failed") == [("claimed", "failed", 1, "holder")] * 5
+
+
+def test_a_statement_changing_no_status_records_nothing():
+    step = claimed_step()
+    before = DeliveryTransition.objects.count()
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "UPDATE workflow_agent_deliveries SET lease_until = lease_until + interval '1 second' "
+            "WHERE community_id = %s",
+            [step.community.id],
+        )
+        assert cursor.rowcount == TARGETS
+    assert DeliveryTransition.objects.count() == before
+
+
+def test_a_deliverys_id_cannot_change():
+    with override_settings(WORKFLOW_DELIVERY_TIMELINE=False):
+        # No timeline entry refers to it, so no foreign key reports the change first.
+        step = factories.Step()
+        (delivery,) = factories.committed(step)
+    with pytest.raises(ConstraintViolation) as caught:
+        raw_sql(
+            "UPDATE workflow_agent_deliveries SET id = gen_random_uuid() WHERE id = %s",
+            [delivery.id],
+        )
+    assert caught.value.constraint == "wd_delivery_key_immutable"
+    assert services.get_delivery(step.community.id, delivery.id) is not None
