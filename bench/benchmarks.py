@@ -280,60 +280,77 @@ def isolation(db: common.BenchDb, options: Options) -> list[Figure]:
     ]
 
 
-def reap(db: common.BenchDb, options: Options) -> list[Figure]:
-    from workflow_delivery import services
-
-    workers = options.workers or 4
-    expired = options.rows // 10
+def _sweep_beside_workers(
+    db: common.BenchDb,
+    options: Options,
+    *,
+    name: str,
+    workers: int,
+    state: str,
+    rows: int,
+    what: str,
+    sweep: Callable[[Callable[[int, float], None]], int],
+    bar: float,
+) -> list[Figure]:
+    """``workers`` claim+finish loops on a tenant of their own while ``sweep(on_batch)``
+    (the reaper, the pruner) works through ``rows`` rows in ``state`` spread over other
+    communities: the workers' rate during the sweep against their rate alone, measured
+    for ``--seconds`` before and again after it (the mean of the two: the workers' own
+    rate drifts as their claims leave dead index entries behind and autovacuum comes
+    and goes, which a window on one side only would book to the sweep); the sweep's
+    total time and its longest batch."""
     with db.connect() as conn:
         common.truncate_deliveries(conn)
         tenant = common.create_tenant(conn, "load")
         for n in range(REAP_COMMUNITIES):
-            share = expired // REAP_COMMUNITIES + (n < expired % REAP_COMMUNITIES)
-            lapsed = common.create_tenant(conn, f"lapsed{n}")
-            common.seed_deliveries(conn, lapsed, share, state=common.EXPIRED)
-        common.seed_deliveries(conn, tenant, _pending_rows(options, 3), state=common.PENDING)
+            share = rows // REAP_COMMUNITIES + (n < rows % REAP_COMMUNITIES)
+            other = common.create_tenant(conn, f"{name}{n}")
+            common.seed_deliveries(conn, other, share, state=state)
+        common.seed_deliveries(conn, tenant, _pending_rows(options, 4), state=common.PENDING)
         common.vacuum(conn)
     batches: list[tuple[int, float]] = []
-    reclaimed = 0
+    swept = 0
 
     def driver() -> dict[str, tuple[float, float]]:
-        nonlocal reclaimed
-        quiet = sleep_window(options.seconds, "reap: workers alone")
-        with tqdm(total=expired, desc="reap", unit="row", unit_scale=True, leave=False) as bar:
+        nonlocal swept
+        before = sleep_window(options.seconds, f"{name}: workers alone")
+        with tqdm(total=rows, desc=name, unit="row", unit_scale=True, leave=False) as progress:
 
             def on_batch(count: int, seconds: float) -> None:
                 batches.append((count, seconds))
-                bar.update(count)
+                progress.update(count)
 
             started = time.monotonic()
-            reclaimed = services.reap_expired_deliveries(on_batch=on_batch)
+            swept = sweep(on_batch)
             ended = time.monotonic()
-        return {"quiet": quiet, "reap": (started, ended)}
+        after = sleep_window(options.seconds, f"{name}: workers alone again")
+        return {"before": before, name: (started, ended), "after": after}
 
     specs = [Spec("cycle", SERVICE, i, db, tenant) for i in range(workers)]
     phase = run_phase(
-        specs, seconds=options.seconds, warmup=options.warmup, desc="reap", driver=driver
+        specs, seconds=options.seconds, warmup=options.warmup, desc=name, driver=driver
     )
-    start, end = phase.windows["reap"]
+    start, end = phase.windows[name]
+    alone = [phase.rate("before"), phase.rate("after")]
     notes = _notes(phase)
-    if reclaimed != expired:
-        notes.append(f"reclaimed {reclaimed:,} of {expired:,} expired leases")
+    notes.append(f"workers alone: {alone[0]:,.1f} cycles/s before, {alone[1]:,.1f} after")
+    if swept < rows:
+        notes.append(f"{name} took {swept:,} of {rows:,} rows")
     longest = max((seconds for _, seconds in batches), default=0.0)
     return [
         Figure(
-            "reap",
-            f"worker rate during the reap vs without, {workers} workers",
-            phase.rate("reap"),
-            phase.rate("quiet"),
+            name,
+            f"worker rate during the {name} vs without, {workers} workers",
+            phase.rate(name),
+            mean(alone),
             "cycles/s",
-            bar=0.85,
+            bar=bar,
             notes=notes,
         ),
-        Figure("reap", f"reap of {expired:,} expired leases, total", end - start, None, "s"),
+        Figure(name, f"{name} of {rows:,} {what}, total", end - start, None, "s"),
         Figure(
-            "reap",
-            f"longest reap batch ({len(batches)} batches)",
+            name,
+            f"longest {name} batch ({len(batches)} batches)",
             longest,
             None,
             "s",
@@ -341,6 +358,24 @@ def reap(db: common.BenchDb, options: Options) -> list[Figure]:
             bar_below=True,
         ),
     ]
+
+
+def reap(db: common.BenchDb, options: Options) -> list[Figure]:
+    """4 workers' claim+finish rate while the reaper takes ``--rows``/10 expired leases
+    of other communities back to pending, with its default rest between batches."""
+    from workflow_delivery import services
+
+    return _sweep_beside_workers(
+        db,
+        options,
+        name="reap",
+        workers=options.workers or 4,
+        state=common.EXPIRED,
+        rows=options.rows // 10,
+        what="expired leases",
+        sweep=lambda on_batch: services.reap_expired_deliveries(on_batch=on_batch),
+        bar=0.85,
+    )
 
 
 # The reaper cliff of issue 10: a few reapable rows in a healthy tenant, measured with
@@ -459,68 +494,20 @@ def timeline(db: common.BenchDb, options: Options) -> list[Figure]:
 
 def prune(db: common.BenchDb, options: Options) -> list[Figure]:
     """8 workers' claim+finish rate while ``prune_deliveries`` deletes ``--rows``
-    terminal rows (with their timeline) of other communities, against their rate
-    before; and the longest prune batch."""
+    terminal rows (with their timeline) of other communities."""
     from workflow_delivery import services
 
-    workers = options.workers or 8
-    terminal = options.rows
-    with db.connect() as conn:
-        common.truncate_deliveries(conn)
-        tenant = common.create_tenant(conn, "load")
-        for n in range(REAP_COMMUNITIES):
-            share = terminal // REAP_COMMUNITIES + (n < terminal % REAP_COMMUNITIES)
-            settled = common.create_tenant(conn, f"settled{n}")
-            common.seed_deliveries(conn, settled, share, state=common.TERMINAL)
-        common.seed_deliveries(conn, tenant, _pending_rows(options, 3), state=common.PENDING)
-        common.vacuum(conn)
-    batches: list[tuple[int, float]] = []
-    pruned = 0
-
-    def driver() -> dict[str, tuple[float, float]]:
-        nonlocal pruned
-        quiet = sleep_window(options.seconds, "prune: workers alone")
-        with tqdm(total=terminal, desc="prune", unit="row", unit_scale=True, leave=False) as bar:
-
-            def on_batch(count: int, seconds: float) -> None:
-                batches.append((count, seconds))
-                bar.update(count)
-
-            started = time.monotonic()
-            pruned = services.prune_deliveries(older_than="0s", on_batch=on_batch)
-            ended = time.monotonic()
-        return {"quiet": quiet, "prune": (started, ended)}
-
-    specs = [Spec("cycle", SERVICE, i, db, tenant) for i in range(workers)]
-    phase = run_phase(
-        specs, seconds=options.seconds, warmup=options.warmup, desc="prune", driver=driver
+    return _sweep_beside_workers(
+        db,
+        options,
+        name="prune",
+        workers=options.workers or 8,
+        state=common.TERMINAL,
+        rows=options.rows,
+        what="terminal rows",
+        sweep=lambda on_batch: services.prune_deliveries(older_than="0s", on_batch=on_batch),
+        bar=0.7,
     )
-    start, end = phase.windows["prune"]
-    notes = _notes(phase)
-    if pruned < terminal:
-        notes.append(f"pruned {pruned:,} of {terminal:,} terminal rows")
-    longest = max((seconds for _, seconds in batches), default=0.0)
-    return [
-        Figure(
-            "prune",
-            f"worker rate during the prune vs without, {workers} workers",
-            phase.rate("prune"),
-            phase.rate("quiet"),
-            "cycles/s",
-            bar=0.7,
-            notes=notes,
-        ),
-        Figure("prune", f"prune of {terminal:,} terminal rows, total", end - start, None, "s"),
-        Figure(
-            "prune",
-            f"longest prune batch ({len(batches)} batches)",
-            longest,
-            None,
-            "s",
-            bar=1.0,
-            bar_below=True,
-        ),
-    ]
 
 
 def latency(db: common.BenchDb, options: Options) -> list[Figure]:
