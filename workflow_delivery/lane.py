@@ -18,7 +18,8 @@ the cursor path.
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Generator, Sequence
+from functools import partial
 from typing import Any
 
 try:
@@ -63,7 +64,7 @@ def numbered(statement: str) -> bytes:
 class Lane:
     """One connection's statements, prepared once each (unless ``prepare`` is false)."""
 
-    __slots__ = ("_formats", "_names", "_pgconn", "_prepare", "_queries", "_tx", "raw")
+    __slots__ = ("_formats", "_names", "_next", "_pgconn", "_prepare", "_queries", "_tx", "raw")
 
     def __init__(self, raw: Any, *, prepare: bool) -> None:
         self.raw = raw
@@ -76,6 +77,8 @@ class Lane:
         # value (an int may be int2, int4 or int8), and each set of types is its own
         # statement on the server, as it is for psycopg's own preparation.
         self._names: dict[tuple[str, tuple[int, ...]], bytes] = {}
+        # Never reused: after a partial DEALLOCATE a name may still be taken.
+        self._next = 0
         self._formats: dict[int, list[PyFormat]] = {}
 
     @property
@@ -111,28 +114,41 @@ class Lane:
             types = tuple(tx.types)
             name = self._names.get((statement, types))
             if name is None:
-                name = b"workflow_delivery_%d" % len(self._names)
-                pgconn.send_prepare(name, query, param_types=types)
-                self._check(self.raw.wait(_results_of(pgconn)))
+                name = b"workflow_delivery_%d" % self._next
+                self._next += 1
+                self._send(partial(pgconn.send_prepare, name, query, param_types=types))
                 self._names[statement, types] = name
-            pgconn.send_query_prepared(
-                name, values, param_formats=tx.formats, result_format=_BINARY
+            send = partial(
+                pgconn.send_query_prepared,
+                name,
+                values,
+                param_formats=tx.formats,
+                result_format=_BINARY,
             )
         else:
             # Behind a pooler a name could denote another client's statement.
-            pgconn.send_query_params(
+            send = partial(
+                pgconn.send_query_params,
                 query,
                 values,
                 param_types=tx.types,
                 param_formats=tx.formats,
                 result_format=_BINARY,
             )
-        result = self._check(self.raw.wait(_results_of(pgconn)))
+        result = self._send(send)
         tx.set_pgresult(result)
         return tx.load_rows(0, result.ntuples, tuple)
 
-    def _check(self, results: list[Any]) -> Any:
+    def _send(self, send: Callable[[], None]) -> Any:
+        """``send()`` the request and wait for its result, both inside psycopg's wait, so
+        that Ctrl-C at any point cancels what the server is running (as a cursor does)."""
+        results = self.raw.wait(_sent(send, self._pgconn))
         for result in results:
             if result.status == _FAILED:
                 raise error_from_result(result, encoding=self.raw.info.encoding)
         return results[-1]
+
+
+def _sent(send: Callable[[], None], pgconn: Any) -> Generator[Any, Any, list[Any]]:
+    send()
+    return (yield from _results_of(pgconn))
