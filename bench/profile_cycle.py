@@ -43,9 +43,10 @@ def main(argv: list[str] | None = None) -> int:
 
         with db.connect() as conn:
             tenant = common.create_tenant(conn, "profile")
-            common.seed_deliveries(
-                conn, tenant, (3 + 2 * args.batch) * (args.cycles + 100) + 1000, progress=False
-            )
+            # Turns of 100 cycles claim targets 0-35 twice and 36-63 once (n % 64):
+            # twice the even share, so no target runs dry.
+            rows = 2 * (3 + 2 * args.batch) * (args.cycles + 100) + 1000
+            common.seed_deliveries(conn, tenant, rows, progress=False)
             common.vacuum(conn)
         community = tenant.community_id
 
