@@ -158,11 +158,17 @@ def test_no_model_change_lacks_a_migration(db):
         ("WORKFLOW_DELIVERY_MAX_ATTEMPTS", "20", "workflow_delivery.E008"),
         ("WORKFLOW_DELIVERY_RETENTION", "a month", "workflow_delivery.E009"),
         ("WORKFLOW_DELIVERY_PRUNE_BATCH_SIZE", 0, "workflow_delivery.E002"),
+        ("WORKFLOW_DELIVERY_REAP_YIELD_RATIO", -1, "workflow_delivery.E005"),
+        ("WORKFLOW_DELIVERY_PRUNE_YIELD_RATIO", 101, "workflow_delivery.E005"),
     ],
 )
 def test_settings_checks_report_a_bad_cap_retention_or_prune_batch(setting, value, expected):
     with override_settings(**{setting: value}):
-        assert [error.id for error in checks.check_settings()] == [expected]
+        errors = checks.check_settings()
+        assert [error.id for error in errors] == [expected]
+    if expected == "workflow_delivery.E005":
+        name = setting.removeprefix("WORKFLOW_DELIVERY_")
+        assert errors[0].msg == checks.E005_MSG.format(name=name, value=value)
 
 
 @override_settings(WORKFLOW_DELIVERY_MAX_ATTEMPTS=None, WORKFLOW_DELIVERY_RETENTION="0s")

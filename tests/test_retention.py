@@ -115,6 +115,20 @@ def test_batches_are_bounded():
     assert pruned == 7 and batches == [3, 3, 1]
 
 
+def test_pruning_rests_by_its_own_setting_not_the_reapers(settings, monkeypatch):
+    settled_step(5)
+    settings.WORKFLOW_DELIVERY_REAP_YIELD_RATIO = 50.0
+    settings.WORKFLOW_DELIVERY_PRUNE_YIELD_RATIO = 0.5
+    timings: list[float] = []
+    rests: list[float] = []
+    monkeypatch.setattr(services.time, "sleep", rests.append)
+    pruned = services.prune_deliveries(
+        older_than="1d", batch_size=2, on_batch=lambda _, seconds: timings.append(seconds)
+    )
+    assert pruned == 5
+    assert rests == pytest.approx([0.5 * timings[0], 0.5 * timings[1]])
+
+
 def test_dry_run_counts_per_community_and_writes_nothing():
     first = settled_step(2)
     second = settled_step(1)

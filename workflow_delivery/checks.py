@@ -27,7 +27,7 @@ E003_MSG = (
 E004_MSG = (
     "WORKFLOW_DELIVERY_REAP_INTERVAL_SECONDS must be a positive finite number, got {value!r}."
 )
-E005_MSG = "WORKFLOW_DELIVERY_REAP_YIELD_RATIO must be a number from 0 to 100, got {value!r}."
+E005_MSG = "WORKFLOW_DELIVERY_{name} must be a number from 0 to 100, got {value!r}."
 E006_MSG = (
     "WORKFLOW_DELIVERY_MAX_LEASE_SECONDS ({value}) exceeds {bound} (10 years), the longest "
     "lease the app hands out: a lease end must stay far inside PostgreSQL's timestamp range."
@@ -109,9 +109,11 @@ def check_settings(app_configs: Any = None, **kwargs: Any) -> list:
     interval = app_settings.REAP_INTERVAL_SECONDS
     if not (is_number(interval) and interval > 0):
         errors.append(checks.Error(E004_MSG.format(value=interval), id="workflow_delivery.E004"))
-    ratio = app_settings.REAP_YIELD_RATIO
-    if not is_yield_ratio(ratio):
-        errors.append(checks.Error(E005_MSG.format(value=ratio), id="workflow_delivery.E005"))
+    for name in ("REAP_YIELD_RATIO", "PRUNE_YIELD_RATIO"):
+        ratio = getattr(app_settings, name)
+        if not is_yield_ratio(ratio):
+            message = E005_MSG.format(name=name, value=ratio)
+            errors.append(checks.Error(message, id="workflow_delivery.E005"))
     cap = app_settings.MAX_ATTEMPTS
     if cap is not None and not _positive_int(cap):
         errors.append(checks.Error(E008_MSG.format(value=cap), id="workflow_delivery.E008"))

@@ -223,14 +223,17 @@ class StepIdentity:
         created_at = as_datetime("message_event_created_at", message_event_created_at)
         if self._validate(batch):
             b = batch[0].binding
-            shared = [b.community_id, b.workflow_id, b.run_id, b.step_id]
-            shared += [b.definition_event_id, b.message_event_id, created_at]
-            ids = [item.id for item in batch]
             return True, [
-                *shared,
+                b.community_id,
+                b.workflow_id,
+                b.run_id,
+                b.step_id,
+                b.definition_event_id,
+                b.message_event_id,
+                created_at,
                 *db.cause_columns(b),
-                ids,
-                [i.binding.target_pubkey for i in batch],
+                [item.id for item in batch],
+                [item.binding.target_pubkey for item in batch],
             ]
         rows = []
         for item in batch:
@@ -508,8 +511,8 @@ def _batch_size(value: object, default: int) -> int:
     return size
 
 
-def _yield_ratio(value: object) -> float:
-    ratio = app_settings.REAP_YIELD_RATIO if value is None else value
+def _yield_ratio(value: object, default: float) -> float:
+    ratio = default if value is None else value
     if not is_yield_ratio(ratio):
         raise ProtocolError("yield_ratio", f"must be a number from 0 to 100, not {ratio!r}")
     return ratio
@@ -583,7 +586,7 @@ def reap_deliveries(
     queued for (a transition or purge in progress) is skipped for this batch, and
     ``on_locked(ids)`` is told which were skipped (only when some were)."""
     size = _batch_size(batch_size, app_settings.REAP_BATCH_SIZE)
-    ratio = _yield_ratio(yield_ratio)
+    ratio = _yield_ratio(yield_ratio, app_settings.REAP_YIELD_RATIO)
     cap = _max_attempts()
     reclaimed = exhausted = 0
 
@@ -730,12 +733,14 @@ def prune_deliveries(
 ) -> int:
     """Delete terminal deliveries (their timeline with them) settled more than
     ``older_than`` ago (default ``WORKFLOW_DELIVERY_RETENTION``) in every active
-    community, in bounded batches; returns how many. A community that is not active,
-    or whose deletion lock is taken, is skipped inside the statement. Pending and
-    claimed rows are never touched, whatever their age."""
+    community, in bounded batches; returns how many. After a full batch it rests
+    ``yield_ratio`` times as long as the batch took (default
+    ``WORKFLOW_DELIVERY_PRUNE_YIELD_RATIO``). A community that is not active, or whose
+    deletion lock is taken, is skipped inside the statement. Pending and claimed rows
+    are never touched, whatever their age."""
     cutoff = prune_cutoff(older_than, using=using)
     size = _batch_size(batch_size, app_settings.PRUNE_BATCH_SIZE)
-    ratio = _yield_ratio(yield_ratio)
+    ratio = _yield_ratio(yield_ratio, app_settings.PRUNE_YIELD_RATIO)
     total = 0
 
     def batch() -> int:
