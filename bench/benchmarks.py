@@ -280,6 +280,11 @@ def isolation(db: common.BenchDb, options: Options) -> list[Figure]:
     ]
 
 
+PENDING_LEFT = (
+    "SELECT count(*) FROM workflow_agent_deliveries WHERE community_id = %s AND status = 'pending'"
+)
+
+
 def _sweep_beside_workers(
     db: common.BenchDb,
     options: Options,
@@ -297,8 +302,9 @@ def _sweep_beside_workers(
     communities: the workers' rate during the sweep against their rate alone, measured
     for ``--seconds`` before and again after it (the mean of the two: the workers' own
     rate drifts as their claims leave dead index entries behind and autovacuum comes
-    and goes, which a window on one side only would book to the sweep); the sweep's
-    total time and its longest batch."""
+    and goes, which a window on one side only would book to the sweep; the window after
+    is left out, and the notes say so, when what is left of the workers' seed would
+    not last it); the sweep's total time and its longest batch."""
     with db.connect() as conn:
         common.truncate_deliveries(conn)
         tenant = common.create_tenant(conn, "load")
@@ -306,13 +312,15 @@ def _sweep_beside_workers(
             share = rows // REAP_COMMUNITIES + (n < rows % REAP_COMMUNITIES)
             other = common.create_tenant(conn, f"{name}{n}")
             common.seed_deliveries(conn, other, share, state=state)
-        common.seed_deliveries(conn, tenant, _pending_rows(options, 4), state=common.PENDING)
+        seeded = _pending_rows(options, 4)
+        common.seed_deliveries(conn, tenant, seeded, state=common.PENDING)
         common.vacuum(conn)
     batches: list[tuple[int, float]] = []
     swept = 0
 
     def driver() -> dict[str, tuple[float, float]]:
         nonlocal swept
+        began = time.monotonic() - options.warmup
         before = sleep_window(options.seconds, f"{name}: workers alone")
         with tqdm(total=rows, desc=name, unit="row", unit_scale=True, leave=False) as progress:
 
@@ -323,17 +331,28 @@ def _sweep_beside_workers(
             started = time.monotonic()
             swept = sweep(on_batch)
             ended = time.monotonic()
-        after = sleep_window(options.seconds, f"{name}: workers alone again")
-        return {"before": before, name: (started, ended), "after": after}
+        windows = {"before": before, name: (started, ended)}
+        with db.connect() as conn:
+            left = conn.execute(PENDING_LEFT, [tenant.community_id]).fetchone()[0]
+        pace = (seeded - left) / (time.monotonic() - began)
+        if left > 1.5 * pace * options.seconds:
+            windows["after"] = sleep_window(options.seconds, f"{name}: workers alone again")
+        return windows
 
     specs = [Spec("cycle", SERVICE, i, db, tenant) for i in range(workers)]
     phase = run_phase(
         specs, seconds=options.seconds, warmup=options.warmup, desc=name, driver=driver
     )
     start, end = phase.windows[name]
-    alone = [phase.rate("before"), phase.rate("after")]
+    alone = [phase.rate(window) for window in ("before", "after") if window in phase.windows]
     notes = _notes(phase)
-    notes.append(f"workers alone: {alone[0]:,.1f} cycles/s before, {alone[1]:,.1f} after")
+    if len(alone) == 2:
+        notes.append(f"workers alone: {alone[0]:,.1f} cycles/s before, {alone[1]:,.1f} after")
+    else:
+        notes.append(
+            f"workers alone: {alone[0]:,.1f} cycles/s before; no window after: their seed "
+            "would not have lasted it"
+        )
     if swept < rows:
         notes.append(f"{name} took {swept:,} of {rows:,} rows")
     longest = max((seconds for _, seconds in batches), default=0.0)
