@@ -8,7 +8,7 @@ from uuid import UUID
 
 import pytest
 
-from workflow_delivery import exceptions
+from workflow_delivery import exceptions, protocol
 from workflow_delivery.protocol import (
     MESSAGE_KIND,
     MESSAGE_V1_MARKER,
@@ -27,6 +27,7 @@ from workflow_delivery.protocol import (
     WakeHint,
     WebhookCause,
     message_v1_targets,
+    new_delivery_id,
 )
 
 COMMUNITY = UUID("c0111111-aaaa-4111-8111-111111111111")
@@ -686,3 +687,19 @@ def test_results_are_values() -> None:
     assert AlreadyTerminal(DeliveryStatus.FINISHED) != Settled(Outcome.FINISHED)
     with pytest.raises(dataclasses.FrozenInstanceError):
         Settled(Outcome.FAILED).outcome = Outcome.FINISHED  # type: ignore[misc]
+
+
+def test_a_new_delivery_id_is_a_version_7_uuid_that_grows_with_time(monkeypatch) -> None:
+    ids = [new_delivery_id() for _ in range(2000)]
+    assert len(set(ids)) == 2000
+    assert {value.version for value in ids} == {7}
+    assert {value.variant for value in ids} == {"specified in RFC 4122"}
+    instants = iter([1_800_000_000_000_000_000, 1_800_000_000_001_000_000])
+    monkeypatch.setattr(protocol.time, "time_ns", lambda: next(instants))
+    earlier, later = new_delivery_id(), new_delivery_id()
+    assert earlier < later
+    # The first 48 bits are the Unix time in milliseconds.
+    assert earlier.int >> 80 == 1_800_000_000_000
+    assert later.int >> 80 == 1_800_000_000_001
+    # A freshly made id passes every check a producer's id goes through.
+    assert NewDelivery(earlier, make_binding()).id is earlier

@@ -6,7 +6,9 @@ naming the offending field; no other exception escapes for bad input of any type
 
 from __future__ import annotations
 
+import os
 import re
+import time
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from enum import StrEnum
@@ -46,6 +48,7 @@ __all__ = [
     "as_step_id",
     "as_uuid",
     "message_v1_targets",
+    "new_delivery_id",
 ]
 
 MESSAGE_KIND = 9
@@ -346,6 +349,26 @@ class LeaseLost:
 
 RenewResult: TypeAlias = Renewed | LeaseLost
 FinishResult: TypeAlias = Settled | AlreadyTerminal | LeaseLost
+
+
+def new_delivery_id() -> UUID:
+    """A fresh delivery id that sorts by the time it was made: a UUID of version 7
+    (RFC 9562: 48 bits of Unix time in milliseconds, then 74 random bits).
+
+    A producer may choose any UUID, but every status change of a delivery inserts a
+    new entry for its id into the table's keys on ``id`` (the primary key, the
+    ``(community_id, id)`` key, the timeline's ``(community_id, delivery_id, id)``).
+    With random ids the live deliveries' entries are spread over every page of those
+    keys, however much history sits beside them; with ids that grow with time they
+    share the few newest pages (bench/RESULTS.md, history)."""
+    milliseconds = time.time_ns() // 1_000_000
+    random = int.from_bytes(os.urandom(10), "big")  # 80 bits; 74 are used
+    value = (milliseconds & 0xFFFF_FFFF_FFFF) << 80
+    value |= 0x7 << 76  # version 7
+    value |= (random >> 68) << 64  # rand_a: 12 bits
+    value |= 0b10 << 62  # the RFC 9562 variant
+    value |= random & 0x3FFF_FFFF_FFFF_FFFF  # rand_b: 62 bits
+    return UUID(int=value)
 
 
 def message_v1_targets(kind: int, tags: Tags) -> list[bytes]:
