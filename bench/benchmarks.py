@@ -8,6 +8,7 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
+from functools import partial
 from statistics import mean, median
 
 from tqdm import tqdm
@@ -97,19 +98,23 @@ def _cycle_phase(
     *,
     history: int = 0,
     neighbour: int = 0,
+    ids: str = common.RANDOM_IDS,
 ) -> Phase:
     """Claim + finish loops on a freshly seeded community of pending rows, optionally
     behind ``history`` terminal rows of the same targets or beside a ``neighbour``
-    community holding that many pending rows."""
+    community holding that many pending rows; delivery ids are ``ids``."""
     with db.connect() as conn:
         common.truncate_deliveries(conn)
         tenant = common.create_tenant(conn, "cycle")
         if history:
-            common.seed_deliveries(conn, tenant, history, state=common.TERMINAL, prefix="old-")
+            common.seed_deliveries(
+                conn, tenant, history, state=common.TERMINAL, prefix="old-", ids=ids
+            )
         if neighbour:
             other = common.create_tenant(conn, "busy")
             common.seed_deliveries(conn, other, neighbour, state=common.PENDING)
-        common.seed_deliveries(conn, tenant, _pending_rows(options), state=common.PENDING)
+        pending = _pending_rows(options)
+        common.seed_deliveries(conn, tenant, pending, state=common.PENDING, ids=ids)
         common.vacuum(conn)
     specs = [Spec("cycle", api, i, db, tenant) for i in range(workers)]
     return run_phase(specs, seconds=options.seconds, warmup=options.warmup, desc=desc)
@@ -234,19 +239,28 @@ def bare(db: common.BenchDb, options: Options) -> list[Figure]:
     ]
 
 
-def history(db: common.BenchDb, options: Options) -> list[Figure]:
+def history(db: common.BenchDb, options: Options, ids: str = common.RANDOM_IDS) -> list[Figure]:
     workers = options.workers or 8
+    ordered = ids == common.ORDERED_IDS
+    name = "history_ordered" if ordered else "history"
+    kind = "time-ordered ids, " if ordered else ""
     # Runs without history bracket the one with it, so a drift in machine load
     # between the phases cancels out instead of landing on one side.
-    before = _cycle_phase(db, SERVICE, workers, options, "history: none")
+    before = _cycle_phase(db, SERVICE, workers, options, f"{name}: none", ids=ids)
     full = _cycle_phase(
-        db, SERVICE, workers, options, f"history: {options.rows:,}", history=options.rows
+        db,
+        SERVICE,
+        workers,
+        options,
+        f"{name}: {options.rows:,}",
+        history=options.rows,
+        ids=ids,
     )
-    after = _cycle_phase(db, SERVICE, workers, options, "history: none again")
+    after = _cycle_phase(db, SERVICE, workers, options, f"{name}: none again", ids=ids)
     return [
         Figure(
-            "history",
-            f"claim+finish with {options.rows:,} terminal rows vs none, {workers} workers",
+            name,
+            f"claim+finish with {options.rows:,} terminal rows vs none, {kind}{workers} workers",
             full.rate(),
             mean([before.rate(), after.rate()]),
             "cycles/s",
@@ -551,6 +565,8 @@ BENCHMARKS: dict[str, Callable[[common.BenchDb, Options], list[Figure]]] = {
     "producer": producer,
     "bare": bare,
     "history": history,
+    # The same with delivery ids that grow with time (protocol.new_delivery_id()).
+    "history_ordered": partial(history, ids=common.ORDERED_IDS),
     "isolation": isolation,
     "reap": reap,
     "reap_cliff": reap_cliff,

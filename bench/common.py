@@ -200,13 +200,26 @@ INSERT INTO workflow_agent_deliveries (
     id, community_id, workflow_id, run_id, step_id, target_pubkey, definition_event_id,
     message_event_id, message_event_created_at, cause_kind, cause_event_id,
     status, lease_generation, lease_until, claimed_at, finished_at, created_at)
-SELECT gen_random_uuid(), %(community)s, %(workflow)s, %(run)s,
+SELECT {id}, %(community)s, %(workflow)s, %(run)s,
        %(prefix)s || g, decode(lpad(to_hex(g %% {targets}), 64, '0'), 'hex'), %(definition)s,
        %(message)s, %(message_at)s, 'event', %(cause)s,
-       {status}, {generation}, {lease_until}, {claimed_at}, {finished_at},
-       now() - interval '1 hour' + g * interval '1 microsecond'
+       {status}, {generation}, {lease_until}, {claimed_at}, {finished_at}, c.at
   FROM generate_series(%(first)s::int, %(last)s::int) AS g
+ CROSS JOIN LATERAL (SELECT now() - interval '1 hour' + g * interval '1 microsecond' AS at) AS c
 """
+# Delivery ids as producers choose them: random (version 4), or growing with time as
+# protocol.new_delivery_id() makes them (version 7: the milliseconds of created_at,
+# its microseconds in the 12 bits after the version, then random bits).
+RANDOM_IDS = "random"
+ORDERED_IDS = "ordered"
+_IDS = {
+    RANDOM_IDS: "gen_random_uuid()",
+    ORDERED_IDS: (
+        "(lpad(to_hex(floor(extract(epoch FROM c.at) * 1000)::bigint), 12, '0') || '7' || "
+        "lpad(to_hex(floor(extract(microseconds FROM c.at))::int %% 1000), 3, '0') || '8' || "
+        "substr(md5(random()::text || g::text), 1, 15))::uuid"
+    ),
+}
 
 
 def seed_deliveries(
@@ -217,11 +230,14 @@ def seed_deliveries(
     state: str = PENDING,
     prefix: str = "seed-",
     progress: bool = True,
+    ids: str = RANDOM_IDS,
 ) -> None:
     """Insert ``count`` deliveries of one state in one transaction, set-based, in
-    chunks only so progress can be shown. The fence trigger fires for each row."""
+    chunks only so progress can be shown. The fence trigger fires for each row.
+    ``ids``: ``RANDOM_IDS`` or ``ORDERED_IDS`` (see ``_IDS``)."""
     status, generation, lease_until, claimed_at, finished_at = _STATE_COLUMNS[state]
     statement = _SEED.format(
+        id=_IDS[ids],
         targets=TARGETS,
         status=status,
         generation=generation,
