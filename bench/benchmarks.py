@@ -265,7 +265,13 @@ def history(db: common.BenchDb, options: Options, ids: str = common.RANDOM_IDS) 
             mean([before.rate(), after.rate()]),
             "cycles/s",
             bar=0.95,
-            notes=_notes(before) + _notes(full) + _notes(after),
+            notes=[
+                f"cycles/s: {before.rate():,.1f} none, {full.rate():,.1f} with "
+                f"{options.rows:,}, {after.rate():,.1f} none again",
+                *_notes(before),
+                *_notes(full),
+                *_notes(after),
+            ],
         )
     ]
 
