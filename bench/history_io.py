@@ -23,6 +23,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench import common
 
 TABLES = ("workflow_agent_deliveries", "workflow_delivery_timeline")
+# Blocks read from outside shared buffers, per table (heap, TOAST) and per index.
+RELATION_READS = """
+SELECT relname, heap_blks_read + coalesce(toast_blks_read, 0) FROM pg_statio_user_tables
+UNION ALL
+SELECT indexrelname, idx_blks_read FROM pg_statio_user_indexes
+"""
 COUNTERS = """
 SELECT pg_current_wal_lsn(), blks_read FROM pg_stat_database WHERE datname = current_database()
 """
@@ -52,11 +58,15 @@ def _measure(db: common.BenchDb, history: int, cycles: int, ids: str) -> tuple[f
                 conn, tenant, history, state=common.TERMINAL, prefix="old-", ids=ids
             )
         common.seed_deliveries(conn, tenant, cycles * 2, ids=ids, progress=False)
+        # Every run starts from a checkpoint (vacuum() ends with one): the first
+        # change of each page after one writes the whole page to the WAL.
         common.vacuum(conn)
-        # Every run starts from a checkpoint: the first change of each page after one
-        # writes the whole page to the WAL.
-        conn.execute("CHECKPOINT")
+    # A new session for the counters: a backend sends its own counts (the VACUUM's
+    # reads) to the shared statistics at most once a second, or when it ends.
+    time.sleep(1)
+    with db.connect() as conn:
         lsn, reads = conn.execute(COUNTERS).fetchone()
+        relations = dict(conn.execute(RELATION_READS).fetchall())
         started = time.perf_counter()
         for n in range(cycles):
             lease, _ = services.claim_delivery(tenant.community_id, common.target_key(n))
@@ -67,8 +77,12 @@ def _measure(db: common.BenchDb, history: int, cycles: int, ids: str) -> tuple[f
         conn.execute("SELECT pg_stat_clear_snapshot()")
         time.sleep(1)
         end_lsn, end_reads = conn.execute(COUNTERS).fetchone()
+        for name, count in conn.execute(RELATION_READS).fetchall():
+            relations[name] = (count - relations.get(name, 0)) / cycles
         wal = conn.execute("SELECT pg_wal_lsn_diff(%s, %s)", [end_lsn, lsn]).fetchone()[0]
-    return float(wal) / cycles, (end_reads - reads) / cycles, elapsed / cycles
+    busiest = sorted(relations.items(), key=lambda item: -item[1])[:3]
+    where = ", ".join(f"{name} {count:.2f}" for name, count in busiest if count >= 0.05)
+    return float(wal) / cycles, (end_reads - reads) / cycles, elapsed / cycles, where
 
 
 def _autovacuum(db: common.BenchDb, enabled: bool) -> None:
@@ -83,10 +97,11 @@ def main(argv: list[str] | None = None) -> int:
         _autovacuum(db, False)  # the database is dropped afterwards
         for ids in (common.RANDOM_IDS, common.ORDERED_IDS):
             for history in (0, args.rows):
-                wal, reads, wall = _measure(db, history, args.cycles, ids)
+                wal, reads, wall, where = _measure(db, history, args.cycles, ids)
                 print(
                     f"{ids:8s} ids, {history:>9,} settled rows beside: {wal:8,.0f} B of WAL, "
-                    f"{reads:5.2f} blocks read, {wall * 1e6:6,.0f} µs a cycle",
+                    f"{reads:5.2f} blocks read ({where or 'none'}), "
+                    f"{wall * 1e6:6,.0f} µs a cycle",
                     flush=True,
                 )
     return 0
