@@ -6,6 +6,7 @@ import json
 import logging
 import re
 import signal
+import threading
 import time
 import urllib.request
 from collections.abc import Callable, Iterator
@@ -272,6 +273,10 @@ def test_serve_demo_runs_http_agents_that_settle_deliveries_through_the_api(on_s
     before = settled.count()
     out = StringIO()
     deadline = time.monotonic() + 15
+    # As after an agent's first wait: the process's wake listener is running.
+    from workflow_delivery.api import wake
+
+    assert wake.hub.ensure_listening()
 
     def stop_once_settled(record: logging.LogRecord) -> None:
         if settled.count() >= before + 3 or time.monotonic() > deadline:
@@ -289,6 +294,9 @@ def test_serve_demo_runs_http_agents_that_settle_deliveries_through_the_api(on_s
     done = counts.get("http_finished", 0) + counts.get("http_failed", 0)
     assert done == counts["http_claimed"]
     assert settled.count() == before + done >= before + 3
+    # The process's wake listener (GET v1/wait's) went with the server instead of
+    # outliving it and logging the embedded database's shutdown as a lost connection.
+    assert "workflow-delivery-wake" not in {thread.name for thread in threading.enumerate()}
 
 
 @pytest.mark.django_db(transaction=True)

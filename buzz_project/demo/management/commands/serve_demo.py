@@ -18,6 +18,7 @@ from django.core.management.base import BaseCommand, CommandError
 from django.core.servers.basehttp import ThreadedWSGIServer, WSGIRequestHandler
 
 from buzz_project.demo import data as demo
+from workflow_delivery.api.wake import hub as wake_hub
 from workflow_delivery.conf import app_settings
 from workflow_delivery.runner import Reaper, log_level, positive, stop_on_signals
 
@@ -100,6 +101,10 @@ class Command(BaseCommand):
             httpd.shutdown()
             httpd.server_close()
             server.join()
+            # GET v1/wait's listener, started by the first wait: it goes with the
+            # server, not later with the process, when the database it listens on
+            # (the embedded one) may already be gone.
+            wake_hub.stop()
             logging.getLogger("django.server").removeFilter(quiet)
         self.stdout.write(f"admin server stopped; reaper {summary}")
         if agents:
