@@ -104,18 +104,9 @@ def _cycle_phase(
     behind ``history`` terminal rows of the same targets or beside a ``neighbour``
     community holding that many pending rows; delivery ids are ``ids``."""
     with db.connect() as conn:
-        common.truncate_deliveries(conn)
-        tenant = common.create_tenant(conn, "cycle")
-        if history:
-            common.seed_deliveries(
-                conn, tenant, history, state=common.TERMINAL, prefix="old-", ids=ids
-            )
-        if neighbour:
-            other = common.create_tenant(conn, "busy")
-            common.seed_deliveries(conn, other, neighbour, state=common.PENDING)
-        pending = _pending_rows(options)
-        common.seed_deliveries(conn, tenant, pending, state=common.PENDING, ids=ids)
-        common.vacuum(conn)
+        tenant = common.cycle_tenant(
+            conn, "cycle", _pending_rows(options), history=history, neighbour=neighbour, ids=ids
+        )
     specs = [Spec("cycle", api, i, db, tenant) for i in range(workers)]
     return run_phase(specs, seconds=options.seconds, warmup=options.warmup, desc=desc)
 
@@ -153,13 +144,8 @@ def batch(db: common.BenchDb, options: Options) -> list[Figure]:
     notes: list[str] = []
     for round_ in range(1, options.rounds + 1):
         with db.connect() as conn:
-            common.truncate_deliveries(conn)
-            tenant = common.create_tenant(conn, "batch")
             # The batch side settles up to BATCH deliveries per unit of work.
-            common.seed_deliveries(
-                conn, tenant, _pending_rows(options) * BATCH // 2, state=common.PENDING
-            )
-            common.vacuum(conn)
+            tenant = common.cycle_tenant(conn, "batch", _pending_rows(options) * BATCH // 2)
         specs = [Spec("batch", BOTH, i, db, tenant, step_size=BATCH) for i in range(workers)]
         phase = run_phase(
             specs, seconds=options.seconds, warmup=options.warmup, desc=f"batch #{round_}"

@@ -12,7 +12,8 @@ API (stable for ``bench/chaos.py`` and friends):
 - ``BenchDb.connect()`` / ``connect(conninfo)``: an autocommit psycopg connection.
 - ``create_tenant(conn, label)`` → ``Tenant``; ``seed_deliveries(conn, tenant, count,
   state=…)``; ``truncate_deliveries(conn)``; ``vacuum(conn)``; ``producer_tenant(conn,
-  label)`` (an emptied, analysed table for a producer phase).
+  label)`` (an emptied, analysed table for a producer phase); ``cycle_tenant(conn,
+  label, pending, history=…, neighbour=…, ids=…)`` (the same for a claim+finish phase).
 - ``target_key(i)``: the 32-byte pubkey of target ``i``; ``TARGETS`` = 64.
 - ``percentile(values, q)``.
 - ``api_server(database_url, server="uvicorn", workers=1)``: context manager; the
@@ -304,6 +305,32 @@ def producer_tenant(conn: psycopg.Connection, label: str) -> Tenant:
     seed_deliveries(
         conn, tenant, PRODUCER_HISTORY, state=TERMINAL, prefix="settled-", progress=False
     )
+    vacuum(conn)
+    return tenant
+
+
+def cycle_tenant(
+    conn: psycopg.Connection,
+    label: str,
+    pending: int,
+    *,
+    history: int = 0,
+    neighbour: int = 0,
+    ids: str = RANDOM_IDS,
+    pending_progress: bool = True,
+) -> Tenant:
+    """An emptied table holding one new tenant with ``pending`` rows to claim, for a
+    claim+finish phase: behind ``history`` terminal rows of the same targets, beside
+    a ``neighbour`` community holding that many pending rows, its delivery ids
+    ``ids``; vacuumed, analysed and checkpointed (``vacuum``)."""
+    truncate_deliveries(conn)
+    tenant = create_tenant(conn, label)
+    if history:
+        seed_deliveries(conn, tenant, history, state=TERMINAL, prefix="old-", ids=ids)
+    if neighbour:
+        other = create_tenant(conn, "busy")
+        seed_deliveries(conn, other, neighbour, state=PENDING)
+    seed_deliveries(conn, tenant, pending, state=PENDING, ids=ids, progress=pending_progress)
     vacuum(conn)
     return tenant
 

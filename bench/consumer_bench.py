@@ -410,10 +410,7 @@ def _throughput_window(
     its race against the load shows as a lost lease."""
     processes = options.workers or CONSUMER_PROCESSES
     with db.connect() as conn:
-        common.truncate_deliveries(conn)
-        tenant = common.create_tenant(conn, "consume")
-        common.seed_deliveries(conn, tenant, _pending_rows(options), state=common.PENDING)
-        common.vacuum(conn)
+        tenant = common.cycle_tenant(conn, "consume", _pending_rows(options))
         slow_tenant = common.create_tenant(conn, "slow")
     fleet = Fleet()
     stats: list[dict[str, int]] = []

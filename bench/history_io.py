@@ -51,22 +51,17 @@ def _measure(db: common.BenchDb, history: int, cycles: int, ids: str) -> tuple[f
     from workflow_delivery.protocol import Outcome
 
     with db.connect() as conn:
-        common.truncate_deliveries(conn)
-        tenant = common.create_tenant(conn, "io")
-        if history:
-            common.seed_deliveries(
-                conn, tenant, history, state=common.TERMINAL, prefix="old-", ids=ids
-            )
-        common.seed_deliveries(conn, tenant, cycles * 2, ids=ids, progress=False)
-        # Every run starts from a checkpoint (vacuum() ends with one): the first
-        # change of each page after one writes the whole page to the WAL.
-        common.vacuum(conn)
+        # Every run starts from a checkpoint (cycle_tenant() ends with one): the
+        # first change of each page after one writes the whole page to the WAL.
+        tenant = common.cycle_tenant(
+            conn, "io", cycles * 2, history=history, ids=ids, pending_progress=False
+        )
     # A new session for the counters: a backend sends its own counts (the VACUUM's
     # reads) to the shared statistics at most once a second, or when it ends.
     time.sleep(1)
     with db.connect() as conn:
         lsn, reads = conn.execute(COUNTERS).fetchone()
-        relations = dict(conn.execute(RELATION_READS).fetchall())
+        before = dict(conn.execute(RELATION_READS).fetchall())
         started = time.perf_counter()
         for n in range(cycles):
             lease, _ = services.claim_delivery(tenant.community_id, common.target_key(n))
@@ -77,8 +72,10 @@ def _measure(db: common.BenchDb, history: int, cycles: int, ids: str) -> tuple[f
         conn.execute("SELECT pg_stat_clear_snapshot()")
         time.sleep(1)
         end_lsn, end_reads = conn.execute(COUNTERS).fetchone()
-        for name, count in conn.execute(RELATION_READS).fetchall():
-            relations[name] = (count - relations.get(name, 0)) / cycles
+        relations = {
+            name: (count - before.get(name, 0)) / cycles
+            for name, count in conn.execute(RELATION_READS).fetchall()
+        }
         wal = conn.execute("SELECT pg_wal_lsn_diff(%s, %s)", [end_lsn, lsn]).fetchone()[0]
     busiest = sorted(relations.items(), key=lambda item: -item[1])[:3]
     where = ", ".join(f"{name} {count:.2f}" for name, count in busiest if count >= 0.05)
