@@ -363,6 +363,17 @@ def set_timeline(conn: psycopg.Connection, enabled: bool) -> None:
         conn.execute(f"ALTER TABLE workflow_agent_deliveries {verb} TRIGGER {trigger}")
 
 
+def use_setting(name: str, value: Any) -> None:
+    """Set a Django setting in this process the way ``override_settings`` does, so the
+    app's remembered copy (``workflow_delivery.conf.app_settings``) is dropped too: a
+    bare ``settings.X = value`` after the app has read X changes nothing it does."""
+    from django.conf import settings
+    from django.core.signals import setting_changed
+
+    setattr(settings, name, value)
+    setting_changed.send(sender=type(settings), setting=name, value=value, enter=True)
+
+
 def percentile(values: list[float], q: float) -> float:
     if not values:
         return float("nan")

@@ -195,8 +195,8 @@ def _wake_samples(
         consumer_options["poll_interval"] = 30.0
     else:
         consumer_options.update(poll_interval=POLL_BASELINE_SECONDS, listen=False)
-    previous = getattr(settings, "WORKFLOW_DELIVERY_NOTIFY", None)
-    settings.WORKFLOW_DELIVERY_NOTIFY = notify
+    previous = getattr(settings, "WORKFLOW_DELIVERY_NOTIFY", True)
+    common.use_setting("WORKFLOW_DELIVERY_NOTIFY", notify)
     fleet = Fleet()
     latencies: list[float] = []
     missed = 0
@@ -224,10 +224,7 @@ def _wake_samples(
                 bar.update()
     finally:
         fleet.close()
-        if previous is None:
-            del settings.WORKFLOW_DELIVERY_NOTIFY
-        else:
-            settings.WORKFLOW_DELIVERY_NOTIFY = previous
+        common.use_setting("WORKFLOW_DELIVERY_NOTIFY", previous)
     return latencies, missed
 
 

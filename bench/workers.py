@@ -291,15 +291,17 @@ def _notify_produce(
     on: bool, in_transaction: bool = False
 ) -> Callable[[Spec], tuple[Unit, Callable[[], None]]]:
     """The service producer with WORKFLOW_DELIVERY_NOTIFY (and _IN_TRANSACTION) set
-    for each step: read on access, so both sides can take turns in one process."""
+    before each step, so both sides can take turns in one process. They are set as
+    ``override_settings`` sets them (``common.use_setting``): the app remembers a
+    setting once read, and a plain assignment would leave both sides sending as
+    whichever ran first."""
 
     def build(spec: Spec) -> tuple[Unit, Callable[[], None]]:
         unit, close = _service_produce(spec)
-        from django.conf import settings
 
         def toggled(n: int) -> tuple[int, float, float]:
-            settings.WORKFLOW_DELIVERY_NOTIFY = on
-            settings.WORKFLOW_DELIVERY_NOTIFY_IN_TRANSACTION = in_transaction
+            common.use_setting("WORKFLOW_DELIVERY_NOTIFY", on)
+            common.use_setting("WORKFLOW_DELIVERY_NOTIFY_IN_TRANSACTION", in_transaction)
             return unit(n)
 
         return toggled, close

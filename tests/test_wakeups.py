@@ -143,6 +143,23 @@ def test_setting_off_sends_nothing(listener, settings):
     assert listener.wait(QUIET_SECONDS) == []
 
 
+def test_the_benchmarks_switch_reaches_a_producer_that_already_read_the_setting(listener):
+    """bench/run.py notify turns wake-ups on and off between steps of one process
+    (``bench.common.use_setting``): the app, having read the setting once, must follow."""
+    from bench import common
+
+    first = factories.Step(targets=1)
+    created = factories.committed(first)
+    assert set(drain(listener)) == hints_for(first, created)
+    common.use_setting("WORKFLOW_DELIVERY_NOTIFY", False)
+    assert len(factories.committed(factories.Step(targets=1))) == 1
+    assert listener.wait(QUIET_SECONDS) == []
+    common.use_setting("WORKFLOW_DELIVERY_NOTIFY", True)
+    again = factories.Step(targets=1)
+    created = factories.committed(again)
+    assert set(drain(listener)) == hints_for(again, created)
+
+
 def test_listener_reconnects_after_its_session_is_killed(listener):
     with connection.cursor() as cursor:
         cursor.execute(
