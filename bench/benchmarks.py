@@ -166,30 +166,40 @@ def batch(db: common.BenchDb, options: Options) -> list[Figure]:
     ]
 
 
+# The producer's runs: (Spec kind, step size, figure's label, bar). The last one takes
+# the wake-ups out of the service's side (WORKFLOW_DELIVERY_NOTIFY off), to show how
+# much of the gap to the hand-written insert, which sends none, they are.
+PRODUCER_RUNS = [
+    ("produce", 1, "1-target steps", None),
+    ("produce", 10, "10-target steps", 0.95),
+    ("produce-quiet", 10, "10-target steps, wake-ups off", None),
+]
+
+
 def producer(db: common.BenchDb, options: Options) -> list[Figure]:
     workers = options.workers or 8
     figures = []
-    for size in (1, 10):
+    for kind, size, label, bar in PRODUCER_RUNS:
         rates: dict[str, list[float]] = {SERVICE: [], BASELINE: []}
         for round_ in range(1, options.rounds + 1):
             with db.connect() as conn:
                 tenant = common.producer_tenant(conn, "producer")
             specs = [
-                Spec("produce", BOTH, i, db, tenant, step_size=size, label=f"r{round_}")
+                Spec(kind, BOTH, i, db, tenant, step_size=size, label=f"r{round_}")
                 for i in range(workers)
             ]
-            desc = f"producer {size}-target #{round_}"
+            desc = f"producer {label} #{round_}"
             phase = run_phase(specs, seconds=options.seconds, warmup=options.warmup, desc=desc)
             for api in rates:
                 rates[api].append(phase.rate(api=api))
         figures.append(
             Figure(
                 "producer",
-                f"{size}-target steps, {workers} workers",
+                f"{label}, {workers} workers",
                 mean(rates[SERVICE]),
                 mean(rates[BASELINE]),
                 "deliveries/s",
-                bar=0.95 if size == 10 else None,
+                bar=bar,
             )
         )
     return figures

@@ -27,6 +27,7 @@ def test_harness_runs_and_drops_its_database(db, tmp_path: Path) -> None:
         "reap",
         "batch",
         "bare",
+        "producer",
         "reap_cliff",
     ]
     command += ["--seconds", "0.3", "--warmup", "0", "--workers", "1", "--rounds", "1"]
@@ -42,6 +43,12 @@ def test_harness_runs_and_drops_its_database(db, tmp_path: Path) -> None:
     assert ("throughput", "claim+finish") in names
     assert any(benchmark == "reap" for benchmark, _ in names)
     assert {"batch", "bare"} <= {benchmark for benchmark, _ in names}
+    producer = [f["name"] for f in results["figures"] if f["benchmark"] == "producer"]
+    assert producer == [
+        "1-target steps, 1 workers",
+        "10-target steps, 1 workers",
+        "10-target steps, wake-ups off, 1 workers",
+    ]
     assert b"throughput" in out
     assert results["postgres"]["version"].startswith("PostgreSQL")
 
