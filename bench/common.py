@@ -363,13 +363,20 @@ def set_timeline(conn: psycopg.Connection, enabled: bool) -> None:
         conn.execute(f"ALTER TABLE workflow_agent_deliveries {verb} TRIGGER {trigger}")
 
 
+_UNSET = object()
+
+
 def use_setting(name: str, value: Any) -> None:
     """Set a Django setting in this process the way ``override_settings`` does, so the
     app's remembered copy (``workflow_delivery.conf.app_settings``) is dropped too: a
-    bare ``settings.X = value`` after the app has read X changes nothing it does."""
+    bare ``settings.X = value`` after the app has read X changes nothing it does.
+    Setting the value it already has does nothing, so a loop may call this before
+    every unit of work and pay for a change only at a turn's boundary."""
     from django.conf import settings
     from django.core.signals import setting_changed
 
+    if getattr(settings, name, _UNSET) == value:
+        return
     setattr(settings, name, value)
     setting_changed.send(sender=type(settings), setting=name, value=value, enter=True)
 

@@ -183,7 +183,7 @@ class Fleet:
 def _wake_samples(
     db: common.BenchDb, options: Options, *, notify: bool, desc: str
 ) -> tuple[list[float], int]:
-    from django.conf import settings
+    from workflow_delivery.conf import app_settings
 
     with db.connect() as conn:
         common.truncate_deliveries(conn)
@@ -195,7 +195,7 @@ def _wake_samples(
         consumer_options["poll_interval"] = 30.0
     else:
         consumer_options.update(poll_interval=POLL_BASELINE_SECONDS, listen=False)
-    previous = getattr(settings, "WORKFLOW_DELIVERY_NOTIFY", True)
+    previous = app_settings.NOTIFY
     common.use_setting("WORKFLOW_DELIVERY_NOTIFY", notify)
     fleet = Fleet()
     latencies: list[float] = []
