@@ -191,8 +191,9 @@ def _wake_samples(
     target = common.target_key(0)
     consumer_options: dict[str, Any] = {"lease_seconds": 60}
     if notify:
-        # Only a notification can explain a fast claim: the poll is 30 s away.
-        consumer_options["poll_interval"] = 30.0
+        # Only a notification can explain a fast claim: the poll is 30 s away. The
+        # consumer runs in a process of its own, whose setting is the default (off).
+        consumer_options.update(poll_interval=30.0, listen=True)
     else:
         consumer_options.update(poll_interval=POLL_BASELINE_SECONDS, listen=False)
     previous = app_settings.NOTIFY

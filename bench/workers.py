@@ -319,9 +319,9 @@ _LOOPS = {
     ("produce-notify", BASELINE): _notify_produce(False),
     ("produce-notify-tx", SERVICE): _notify_produce(True, in_transaction=True),
     ("produce-notify-tx", BASELINE): _notify_produce(False),
-    # The service producer without wake-ups against the hand-written insert.
-    ("produce-quiet", SERVICE): _notify_produce(False),
-    ("produce-quiet", BASELINE): _baseline_produce,
+    # The service producer with wake-ups against the hand-written insert (none).
+    ("produce-woken", SERVICE): _notify_produce(True, in_transaction=True),
+    ("produce-woken", BASELINE): _baseline_produce,
     # Batch claim + batch finish ("service") against today's single cycle ("baseline").
     ("batch", SERVICE): _service_batch,
     ("batch", BASELINE): _service_single,
