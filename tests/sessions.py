@@ -13,3 +13,14 @@ def other_sessions() -> int:
             "WHERE datname = current_database() AND pid <> pg_backend_pid()"
         )
         return cursor.fetchone()[0]
+
+
+def listening_sessions() -> int:
+    """``wakeups.WakeListener`` sessions open on the test database."""
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "SELECT count(*) FROM pg_stat_activity "
+            "WHERE datname = current_database() "
+            "AND application_name = 'workflow_delivery wake listener'"
+        )
+        return cursor.fetchone()[0]

@@ -14,7 +14,7 @@ from datetime import timedelta
 
 import pytest
 from django.db import connection, connections
-from django.test import Client
+from django.test import Client, override_settings
 from django.utils import timezone
 
 from tests import factories
@@ -461,6 +461,40 @@ def test_wait_beyond_the_waiter_limit_is_told_to_poll(client, agent, settings):
 def test_wait_without_a_pending_delivery_ends_empty(client, agent):
     answer(agent.call(client, "POST", "v1/claim"), 200)
     assert answer(agent.call(client, "GET", "v1/wait", query="timeout=1"), 204) is None
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize("notify", [False, True], ids=["wake-ups off", "wake-ups on"])
+def test_a_wait_polls_only_when_producers_send_no_wake_ups(client, agent, settings, notify):
+    """Wake-ups off (the default): a delivery committed while the agent waits is
+    found by the wait's own poll. On, the wait relies on them: a delivery committed
+    without one (sent by a process that has them off) is not seen before the timeout."""
+    settings.WORKFLOW_DELIVERY_NOTIFY = notify
+    settings.WORKFLOW_DELIVERY_API_WAIT_POLL_SECONDS = 0.2
+    answer(agent.call(client, "POST", "v1/claim"), 200)
+    later = factories.Step(owner=agent.step.community, targets=[agent.pubkey], step_id="later")
+
+    def commit_quietly() -> None:
+        try:
+            time.sleep(0.5)
+            with override_settings(WORKFLOW_DELIVERY_NOTIFY=False):
+                factories.committed(later)
+        finally:
+            connections.close_all()
+
+    committer = threading.Thread(target=commit_quietly)
+    committer.start()
+    started = time.monotonic()
+    response = agent.call(client, "GET", "v1/wait", query="timeout=3")
+    elapsed = time.monotonic() - started
+    committer.join(10)
+    if notify:
+        assert answer(response, 204) is None and elapsed >= 3
+    else:
+        (delivery,) = WorkflowAgentDelivery.objects.filter(step_id="later")
+        hint = answer(response, 200)
+        assert hint == {"delivery_id": str(delivery.id), "target": agent.pubkey.hex()}
+        assert elapsed < 2
 
 
 # -- the replay guard table --------------------------------------------------------------

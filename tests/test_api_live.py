@@ -36,9 +36,18 @@ from workflow_delivery.wakeups import WAKE_CHANNEL, format_wake
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.psycopg3]
 
 
+@pytest.fixture(autouse=True)
+def wake_ups_on(settings) -> None:
+    """This process's producer commits send wake-ups (off by default), as the
+    server's do."""
+    settings.WORKFLOW_DELIVERY_NOTIFY = True
+
+
 @pytest.fixture(scope="module")
 def server(django_db_setup, django_db_blocker):
-    with uvicorn_server() as url:
+    # A site with wake-ups on: its waits rely on them and do not poll, so a wait
+    # that ends before its poll could have is proof a wake-up ended it.
+    with uvicorn_server(extra_env={"WORKFLOW_DELIVERY_NOTIFY": "true"}) as url:
         yield url
 
 

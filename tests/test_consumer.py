@@ -12,7 +12,7 @@ from django.db import connection
 
 from tests import factories
 from tests.consumer_handlers import CREATE_EFFECTS, EFFECTS, write_effect
-from tests.sessions import other_sessions
+from tests.sessions import listening_sessions, other_sessions
 from workflow_delivery import services, wakeups
 from workflow_delivery.consumer import Consumer, ConsumerStats, DeliveryContext
 from workflow_delivery.exceptions import LeaseLostError, ProtocolError
@@ -20,6 +20,13 @@ from workflow_delivery.models import WorkflowAgentDelivery
 from workflow_delivery.protocol import DeliveryRecord, DeliveryStatus, Lease
 
 pytestmark = pytest.mark.django_db(transaction=True)
+
+
+@pytest.fixture(autouse=True)
+def wake_ups_on(settings) -> None:
+    """These consumers run as on a site that turned wake-ups on (the app's default is
+    off); the tests of the poll path and of the default turn them off again."""
+    settings.WORKFLOW_DELIVERY_NOTIFY = True
 
 
 @pytest.fixture
@@ -100,7 +107,7 @@ def started(consumer: Consumer) -> int:
     worker's session open (on psycopg2 alone it polls and never listens). Returns how
     many sessions of its own it has open at least."""
     sessions = 1
-    if wakeups.available():
+    if consumer.listen and wakeups.available():
         assert consumer.listening.wait(5)
         sessions += 1
     assert eventually(lambda: other_sessions() >= sessions, 5)
@@ -117,8 +124,10 @@ def consumer_for(step: factories.Step, handler, **options: Any) -> Consumer:
 def test_a_wake_up_claims_at_once_despite_a_long_poll(db):
     step = factories.Step(targets=1)
     handler = Recorder()
+    listening_before = listening_sessions()
     with Running(consumer_for(step, handler, poll_interval=30)) as running:
         assert running.consumer.listening.wait(5)
+        assert listening_sessions() == listening_before + 1
         time.sleep(0.3)  # the worker's first poll found nothing; it now waits 30 s
         committed_at = time.monotonic()
         (delivery,) = factories.committed(step)
@@ -141,6 +150,25 @@ def test_with_notifications_off_a_poll_still_claims(db, settings):
         assert eventually(lambda: len(handler.started) == 2, 5)
         assert eventually(lambda: all(status(d.id) == DeliveryStatus.FINISHED for d in deliveries))
     assert running.stats.finished == 2
+
+
+def test_by_default_nothing_is_sent_so_the_consumer_only_polls(db, settings):
+    # The app's own default: no WORKFLOW_DELIVERY_NOTIFY in the settings at all.
+    del settings.WORKFLOW_DELIVERY_NOTIFY
+    step = factories.Step(targets=1)
+    handler = Recorder()
+    consumer = consumer_for(step, handler, poll_interval=0.3)
+    assert consumer.listen is False
+    assert consumer_for(step, handler, listen=True).listen is True
+    listening_before = listening_sessions()
+    with Running(consumer) as running:
+        started(running.consumer)
+        time.sleep(0.4)
+        (delivery,) = factories.committed(step)
+        assert eventually(lambda: status(delivery.id) == DeliveryStatus.FINISHED, 5)
+        assert listening_sessions() == listening_before
+        assert not running.consumer.listening.is_set()
+    assert running.stats.finished == 1
 
 
 def test_heartbeats_keep_a_handler_three_times_the_lease_alive(db):
@@ -239,6 +267,7 @@ def test_a_stop_lets_a_short_handler_finish_and_releases_a_long_one(db):
         ("poll_interval", 0),
         ("max_deliveries", -1),
         ("grace_seconds", -1),
+        ("listen", "yes"),
     ],
 )
 def test_bad_options_name_the_field(db, option, value):

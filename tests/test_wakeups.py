@@ -143,6 +143,14 @@ def test_setting_off_sends_nothing(listener, settings):
     assert listener.wait(QUIET_SECONDS) == []
 
 
+def test_by_default_a_producer_sends_nothing(listener, settings):
+    # The app's own default: no WORKFLOW_DELIVERY_NOTIFY in the settings at all.
+    del settings.WORKFLOW_DELIVERY_NOTIFY
+    step = factories.Step(targets=2)
+    assert len(factories.committed(step)) == 2
+    assert listener.wait(QUIET_SECONDS) == []
+
+
 def test_the_benchmarks_switch_reaches_a_producer_that_already_read_the_setting(listener):
     """bench/run.py notify turns wake-ups on and off between steps of one process
     (``bench.common.use_setting``): the app, having read the setting once, must follow."""

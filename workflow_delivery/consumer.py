@@ -8,10 +8,11 @@ settles nothing (the delivery is someone else's now). ``context.lost`` is set as
 as the consumer learns the lease is gone, and ``context.holding()`` gives the
 handler lease-fenced writes (see ``services.holding``).
 
-Waking: the main thread listens for the producer's notifications (``wakeups``) and
-wakes an idle worker for each hint naming one of its targets; a worker with nothing
-to do also polls every ``poll_interval`` seconds, which is what makes a missed or
-dropped notification harmless. A heartbeat thread renews every in-flight lease each
+Waking: with ``listen`` (by default when ``WORKFLOW_DELIVERY_NOTIFY`` is on) the main
+thread listens for the producer's notifications (``wakeups``) and wakes an idle
+worker for each hint naming one of its targets; a worker with nothing to do also
+polls every ``poll_interval`` seconds, which is what makes a missed or dropped
+notification, or none at all, harmless. A heartbeat thread renews every in-flight lease each
 third of the lease, on its own connection, with a short ``lock_timeout``: a renew that
 meets the handler's own open ``holding()`` block is "busy" and tried again shortly,
 never a lost lease.
@@ -35,7 +36,7 @@ from uuid import UUID
 from django.db import DEFAULT_DB_ALIAS, InterfaceError, OperationalError, connections, transaction
 
 from . import services
-from .conf import is_number, is_whole_number
+from .conf import app_settings, is_number, is_whole_number
 from .exceptions import DeliveryTimeout, LeaseLostError, ProtocolError, WorkflowDeliveryError
 from .protocol import (
     AlreadyTerminal,
@@ -237,6 +238,9 @@ class Consumer:
 
     ``run()`` blocks until ``stop()`` is called (from any thread or a signal handler)
     or ``max_deliveries`` claims have been handled, and returns the counts.
+
+    ``listen`` (default: whether ``WORKFLOW_DELIVERY_NOTIFY`` is on) opens a session
+    that waits for the producers' wake-ups; without it the workers only poll.
     """
 
     def __init__(
@@ -251,7 +255,7 @@ class Consumer:
         using: str = DEFAULT_DB_ALIAS,
         max_deliveries: int | None = None,
         grace_seconds: float = DEFAULT_GRACE_SECONDS,
-        listen: bool = True,
+        listen: bool | None = None,
         on_progress: Callable[[ConsumerStats], None] | None = None,
     ) -> None:
         self.community_id = as_uuid("community_id", community_id)
@@ -282,7 +286,10 @@ class Consumer:
             raise ProtocolError("grace_seconds", f"must be a number >= 0: {grace_seconds!r}")
         self.grace_seconds = float(grace_seconds)
         self.using = using
-        self.listen = listen
+        if listen is not None and not isinstance(listen, bool):
+            raise ProtocolError("listen", f"must be True, False or None: {listen!r}")
+        # Producers that send no wake-ups leave a listening session nothing to hear.
+        self.listen = app_settings.NOTIFY if listen is None else listen
         self.on_progress = on_progress
         self.stats = ConsumerStats()
         self._target_set = frozenset(self.targets)

@@ -196,9 +196,14 @@ def get(request: HttpRequest, delivery_id: schema.Uuid):
 
 def _prepare_wait(caller: Caller) -> UUID | None:
     """After the waiter is registered and the listener LISTENs: the oldest pending
-    delivery already there (committed before we listened), or None. The request's
-    connection is then released so the wait itself holds none."""
+    delivery already there (committed before we listened), or None."""
     hub.ensure_listening()
+    return _pending_delivery(caller)
+
+
+def _pending_delivery(caller: Caller) -> UUID | None:
+    """The caller's oldest pending delivery, or None. The request's connection is
+    then released so the wait itself holds none."""
     with wait_gate:
         try:
             return (
@@ -235,12 +240,29 @@ async def wait(
         pending = await sync_to_async(_prepare_wait)(caller)
         if pending is not None:
             return _wake(caller, pending)
-        try:
-            delivery_id = await asyncio.wait_for(waiter.future, timeout)
-        except TimeoutError:
-            return Status(204, None)
+        delivery_id = await _until_woken(caller, waiter.future, timeout)
         if delivery_id is None:
             return Status(204, None)
         return _wake(caller, delivery_id)
     finally:
         hub.unregister(caller.community_id, caller.pubkey, waiter)
+
+
+async def _until_woken(
+    caller: Caller, woken: asyncio.Future[UUID | None], timeout: float
+) -> UUID | None:
+    """The delivery a wake-up names, or None at the timeout (or after the listener
+    lost its session). With ``WORKFLOW_DELIVERY_NOTIFY`` off this process's producers
+    send no wake-ups, so the caller's pending deliveries are also looked for every
+    ``WORKFLOW_DELIVERY_API_WAIT_POLL_SECONDS``."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    poll = None if app_settings.NOTIFY else app_settings.API_WAIT_POLL_SECONDS
+    while (remaining := deadline - loop.time()) > 0:
+        # asyncio.wait, not wait_for: a slice that ends must not cancel the future.
+        done, _ = await asyncio.wait({woken}, timeout=min(remaining, poll or remaining))
+        if done:
+            return woken.result()
+        if poll is not None and (pending := await sync_to_async(_pending_delivery)(caller)):
+            return pending
+    return None
