@@ -345,7 +345,7 @@ def notify(db: common.BenchDb, options: Options) -> list[Figure]:
     listening = threading.Thread(target=drain, daemon=True)
     listening.start()
     modes = [
-        ("produce-notify-tx", "in the transaction (default)", 0.9),
+        ("produce-notify-tx", "in the transaction", 0.9),
         ("produce-notify", "after commit", None),
     ]
     try:
