@@ -294,6 +294,38 @@ def test_reap_batch_does_not_read_the_rows_parked_in_a_fenced_community(db, raw)
     assert rows_read(raw) - before < 50
 
 
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.psycopg3  # the statements a session prepared, through the app's lane
+def test_a_sweep_past_parked_rows_plans_its_batch_once_per_session():
+    # Parked expired leases make a parameterised batch dearer to plan generically than
+    # afresh, so PostgreSQL planned it again at every batch (bench/run.py reap_cliff).
+    parked = factories.Step(targets=[factories.key32() for _ in range(3000)])
+    factories.committed(parked)
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "UPDATE workflow_agent_deliveries SET status = 'claimed', lease_generation = 1, "
+            "claimed_at = now() - interval '1 hour', lease_until = now() - interval '1 hour' "
+            "WHERE community_id = %s",
+            [parked.community.id],
+        )
+    factories.move_to(parked.community.id, "fenced")
+    healthy = factories.Step(targets=4)
+    factories.committed(healthy)
+    with connection.cursor() as cursor:
+        cursor.execute("ANALYZE workflow_agent_deliveries")
+    for _ in range(4):
+        expire_all(healthy)
+        assert services.reap_expired_deliveries(batch_size=1, yield_ratio=0) == 4
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "SELECT generic_plans, custom_plans FROM pg_prepared_statements "
+            "WHERE statement LIKE '%%candidates AS MATERIALIZED%%'"
+        )
+        plans = cursor.fetchall()
+    # One statement, kept: 4 sweeps of 4 batches and the empty batch that ends each.
+    assert plans == [(20, 0)]
+
+
 # --- 3. a step with many targets ---------------------------------------------------------
 
 

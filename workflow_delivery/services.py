@@ -597,13 +597,13 @@ def reap_deliveries(
         # sweep never holds more than ``size`` row locks at once. The statement names
         # the reaper as its actor; inside a caller's transaction that setting would
         # outlive the batch, so there the block also clears it.
-        params = [size, size, size, cap, cap]
+        statement = sql.reap_batch(size, cap)
         if connections[using].in_atomic_block:
             with _transaction_as("reaper", using) as cursor:
-                cursor.execute(sql.REAP_BATCH, params)
+                cursor.execute(statement, [])
                 count, failed, locked = cursor.fetchone()
         else:
-            ((count, failed, locked),) = db.fetch(using, sql.REAP_BATCH, params)
+            ((count, failed, locked),) = db.fetch(using, statement, [])
         if locked and on_locked is not None:
             on_locked(list(locked))
         reclaimed += count - failed
