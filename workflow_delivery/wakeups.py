@@ -1,14 +1,16 @@
 """Wake-ups: the producer's commit notifies, a consumer listens and claims sooner.
 
-A commit that creates deliveries sends one notification per created row on
-``WAKE_CHANNEL``: by default from the inserting statement itself, which PostgreSQL
+With ``WORKFLOW_DELIVERY_NOTIFY`` on, a commit that creates deliveries sends one
+notification per created row on ``WAKE_CHANNEL``: by default from the inserting
+statement itself, which PostgreSQL
 delivers with the commit, or, with ``WORKFLOW_DELIVERY_NOTIFY_IN_TRANSACTION = False``,
 right after the commit (``on_commit``, in a statement of its own). Either way a
 rolled-back commit sends nothing. The payload is identifiers only
 (``<community uuid>:<target hex>:<delivery uuid>``), never content. A wake is an
 accelerator: the claim it prompts goes through the ordinary claim path, and polling
 stays the source of truth, so a missed notification only delays a claim until the next
-poll. Sending is switched by ``WORKFLOW_DELIVERY_NOTIFY``.
+poll. The setting is off by default: at a producer's limit the wake-ups cost it a
+fifth or more of its throughput (README, "Wake-ups").
 
 ``WakeListener`` holds its own psycopg 3 connection, outside Django's connection
 handling: ``LISTEN`` needs a session that stays open and idle between waits, which a
