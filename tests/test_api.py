@@ -19,6 +19,7 @@ from django.utils import timezone
 
 from tests import factories
 from tests.agent_http import pubkey, secret, signed
+from tests.sessions import listening_sessions
 from workflow_delivery import fence, services, sql
 from workflow_delivery.api import nip98
 from workflow_delivery.api.wake import hub
@@ -482,12 +483,18 @@ def test_a_wait_polls_only_when_producers_send_no_wake_ups(client, agent, settin
         finally:
             connections.close_all()
 
+    hub.stop()
+    deadline = time.monotonic() + 5
+    while listening_sessions() and time.monotonic() < deadline:
+        time.sleep(0.05)  # the stopped listener's backend is on its way out
     committer = threading.Thread(target=commit_quietly)
     committer.start()
     started = time.monotonic()
     response = agent.call(client, "GET", "v1/wait", query="timeout=3")
     elapsed = time.monotonic() - started
     committer.join(10)
+    # The process listens only when there are wake-ups to hear.
+    assert listening_sessions() == int(notify)
     if notify:
         assert answer(response, 204) is None and elapsed >= 3
     else:

@@ -195,9 +195,11 @@ def get(request: HttpRequest, delivery_id: schema.Uuid):
 
 
 def _prepare_wait(caller: Caller) -> UUID | None:
-    """After the waiter is registered and the listener LISTENs: the oldest pending
-    delivery already there (committed before we listened), or None."""
-    hub.ensure_listening()
+    """After the waiter is registered and, with wake-ups on, the listener LISTENs: the
+    oldest pending delivery already there (committed before we listened), or None.
+    With them off nothing is sent to listen for; the wait polls instead."""
+    if app_settings.NOTIFY:
+        hub.ensure_listening()
     return _pending_delivery(caller)
 
 
