@@ -64,7 +64,10 @@ def _python(version: str) -> str:
 
 def _install(session: nox.Session, django: str, driver: str, *, pgserver: bool) -> None:
     packages = [PINS[name] for name in TOOLS] + [DJANGO[django]]
-    packages.append(PINS["psycopg"] if driver == "psycopg3" else "psycopg2-binary==2.9.13")
+    if driver == "psycopg3":
+        packages += [PINS["psycopg"], PINS["psycopg-pool"]]
+    else:
+        packages.append("psycopg2-binary==2.9.13")
     if pgserver:
         packages.append(PINS["pgserver"])
     session.install(*packages)

@@ -223,3 +223,86 @@ def test_inside_a_transaction_statements_take_the_cursor_path():
     with transaction.atomic():
         assert cycle(step, step.targets[0]) == Settled(Outcome.FINISHED)
     assert lane_statements() == before
+
+
+@pytest.fixture
+def pooled():
+    """Django's psycopg pool on the default alias, one session in it, so every wrapper
+    that connects gets the same session: what a pool does to a site's requests."""
+    options = connection.settings_dict["OPTIONS"]
+    connection.close()
+    options["pool"] = {"min_size": 1, "max_size": 1, "timeout": 10}
+    try:
+        yield
+    finally:
+        connection.close()
+        connection.close_pool()
+        del options["pool"]
+
+
+def in_another_thread(work):
+    """``work()`` on a thread of its own, so on a Django wrapper of its own."""
+    outcome: list = []
+
+    def run() -> None:
+        try:
+            outcome.append(work())
+        except Exception as exc:  # noqa: BLE001 - raised again on the test's thread
+            outcome.append(exc)
+        finally:
+            connection.close()  # back to the pool
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    thread.join(30)
+    assert outcome, "the work on the other thread did not end"
+    if isinstance(outcome[0], Exception):
+        raise outcome[0]
+    return outcome[0]
+
+
+def backend() -> int:
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT pg_backend_pid()")
+        return cursor.fetchone()[0]
+
+
+def test_a_pooled_session_keeps_its_lane_from_one_wrapper_to_the_next(pooled):
+    step = factories.Step(targets=3)
+    factories.committed(step)
+    session = backend()
+    assert cycle(step, step.targets[0]) == Settled(Outcome.FINISHED)
+    prepared = lane_statements()
+    assert prepared
+    connection.close()
+    # Another wrapper, the same session and the statements the first one prepared on it:
+    # its lane must use them, not prepare them again under the same names.
+    assert in_another_thread(backend) == session
+    assert in_another_thread(lambda: cycle(step, step.targets[1])) == Settled(Outcome.FINISHED)
+    assert cycle(step, step.targets[2]) == Settled(Outcome.FINISHED)
+    assert backend() == session
+    assert lane_statements() == prepared
+
+
+@pytest.mark.parametrize("prepared", [True, False], ids=["lane", "cursor path"])
+def test_a_pooled_session_is_told_the_timeline_setting_whoever_changed_it(
+    pooled, settings, prepared
+):
+    settings.WORKFLOW_DELIVERY_PREPARED_STATEMENTS = prepared
+    step = factories.Step(targets=3)
+    _, quiet, recorded = (item.id for item in factories.committed(step))
+    assert cycle(step, step.targets[0]) == Settled(Outcome.FINISHED)
+    connection.close()
+    with override_settings(WORKFLOW_DELIVERY_TIMELINE=False):
+        # Another wrapper turns the session's recording off...
+        finished = in_another_thread(lambda: cycle(step, step.targets[1]))
+    assert finished == Settled(Outcome.FINISHED)
+    # ...and this one, which last saw it recording, must turn it back on.
+    assert cycle(step, step.targets[2]) == Settled(Outcome.FINISHED)
+
+    def kinds(delivery_id: uuid.UUID) -> list[str]:
+        entries = DeliveryTransition.objects.filter(delivery_id=delivery_id).order_by("id")
+        return list(entries.values_list("kind", flat=True))
+
+    assert kinds(quiet) == ["committed"]
+    assert kinds(recorded) == ["committed", "claimed", "finished"]

@@ -47,6 +47,12 @@ logger = logging.getLogger(__name__)
 _POOLED: weakref.WeakKeyDictionary[Any, bool] = weakref.WeakKeyDictionary()
 _POOLER_REPORTED: set[str] = set()
 
+# What lives in a session belongs to the raw connection, not to Django's wrapper of
+# it: a connection pool (Django's ``OPTIONS={"pool": ...}``) hands one session to many
+# wrappers in turn, and its prepared statements and settings go with it.
+_LANES: weakref.WeakKeyDictionary[Any, _lane.Lane] = weakref.WeakKeyDictionary()
+_TIMELINE_TOLD: weakref.WeakKeyDictionary[Any, bool] = weakref.WeakKeyDictionary()
+
 
 def _behind_pooler(raw: Any, alias: str) -> bool:
     """True when the backend that answers is not the one the connection was opened to.
@@ -102,12 +108,22 @@ def _sync_timeline(wrapper: Any, raw: Any, send: Callable[[str, list[str]], obje
     only when the setting changes; a session that never hears it records (the
     database's default)."""
     wanted = bool(app_settings.TIMELINE)
-    told = wrapper.__dict__.get("_wd_timeline")
-    recording = told[1] if told is not None and told[0] == id(raw) else True
+    try:
+        recording = _TIMELINE_TOLD.get(raw, True)
+        remember = True
+    except TypeError:
+        # A connection that takes no weak reference: remembered on the wrapper, which
+        # is right as long as no pool hands the session to another wrapper.
+        told = wrapper.__dict__.get("_wd_timeline")
+        recording = told[1] if told is not None and told[0] == id(raw) else True
+        remember = False
     if recording == wanted:
         return
     send(sql.SET_TIMELINE, ["on" if wanted else "off"])
-    wrapper._wd_timeline = (id(raw), wanted)
+    if remember:
+        _TIMELINE_TOLD[raw] = wanted
+    else:
+        wrapper._wd_timeline = (id(raw), wanted)
 
 
 def _send_through_django(wrapper: Any) -> Callable[[str, list[str]], object]:
@@ -264,7 +280,7 @@ def cursor(using: str, *, savepoint: bool = True) -> _Scope:
     return _Scope(using, savepoint)
 
 
-# Where a connection keeps its lane (``lane.Lane``, bound to one raw connection).
+# Where a wrapper keeps the lane of its current raw connection (``_LANES`` owns it).
 _LANE = "_workflow_delivery_lane"
 
 
@@ -290,9 +306,14 @@ def _lane_for(wrapper: Any, using: str) -> _lane.Lane | None:
     if lane is None or lane.raw is not raw:
         if not isinstance(raw, psycopg.Connection):
             return None
-        with wrapper.wrap_database_errors:
-            pooled = _behind_pooler(raw, using)
-        lane = wrapper.__dict__[_LANE] = _lane.Lane(raw, prepare=not pooled)
+        # A session from a pool may carry the statements an earlier wrapper's lane
+        # prepared on it: the lane that named them goes on with them.
+        lane = _LANES.get(raw)
+        if lane is None:
+            with wrapper.wrap_database_errors:
+                pooled = _behind_pooler(raw, using)
+            lane = _LANES[raw] = _lane.Lane(raw, prepare=not pooled)
+        wrapper.__dict__[_LANE] = lane
     # Django's thread check, without its lock: a connection shared between threads
     # takes the cursor path (one cursor per statement, psycopg's lock around it).
     if wrapper.__dict__.get("_thread_ident") != _thread.get_ident() or wrapper.__dict__.get(
