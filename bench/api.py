@@ -211,6 +211,13 @@ def _arguments(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--agents", type=int, default=8, help="agent processes per side")
     parser.add_argument("--server", choices=common.SERVERS, default="uvicorn")
     parser.add_argument("--server-workers", type=int, default=2, help="server worker processes")
+    parser.add_argument(
+        "--pool",
+        type=int,
+        default=0,
+        metavar="N",
+        help="serve with Django's connection pool of N sessions per worker (0: none)",
+    )
     parser.add_argument("--rows", type=int, default=100_000, help="pending deliveries seeded")
     parser.add_argument(
         "--waiters", type=int, default=100, help="agents in wait during a third phase (uvicorn)"
@@ -221,6 +228,8 @@ def _arguments(argv: list[str] | None) -> argparse.Namespace:
     options = parser.parse_args(argv)
     if options.agents < 1 or options.server_workers < 1 or options.rows < 1:
         parser.error("--agents, --server-workers and --rows must be positive")
+    if options.pool < 0:
+        parser.error("--pool must be 0 or more")
     return options
 
 
@@ -243,8 +252,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  in-process service: {service['cycles_per_s']:.0f} cycles/s", flush=True)
 
         _seed(db, tenant, keys, options.rows)
+        pool = {"DATABASE_POOL_SIZE": str(options.pool)} if options.pool else None
         server = common.api_server(
-            common.database_url(db), server=options.server, workers=options.server_workers
+            common.database_url(db),
+            server=options.server,
+            workers=options.server_workers,
+            env=pool,
         )
         with server as url:
             http = _phase("http", url, community, secrets, options)
@@ -261,7 +274,8 @@ def main(argv: list[str] | None = None) -> int:
                     for thread in crowd:
                         thread.join(10)
         print(
-            f"  HTTP ({options.server}, {options.server_workers} workers): "
+            f"  HTTP ({options.server}, {options.server_workers} workers"
+            f"{f', pool of {options.pool}' if options.pool else ''}): "
             f"{http['cycles_per_s']:.0f} cycles/s",
             flush=True,
         )

@@ -105,6 +105,13 @@ DATABASES["default"].setdefault("OPTIONS", {}).setdefault(
     "connect_timeout", _read("DATABASE_CONNECT_TIMEOUT", int, 10)
 )
 DATABASES["default"]["TEST"] = {"NAME": _read("TEST_DATABASE_NAME", str, None)}
+# DATABASE_POOL_SIZE > 0: Django's psycopg pool of at most that many sessions per
+# process, for an ASGI server, where each request's thread would otherwise connect anew.
+_POOL_SIZE = _read("DATABASE_POOL_SIZE", int, 0)
+if _POOL_SIZE < 0:
+    raise ImproperlyConfigured(f"DATABASE_POOL_SIZE must be 0 or more, got {_POOL_SIZE}.")
+if _POOL_SIZE:
+    DATABASES["default"]["OPTIONS"]["pool"] = {"min_size": 1, "max_size": _POOL_SIZE}
 
 INSTALLED_APPS = [
     "django.contrib.admin",

@@ -227,6 +227,27 @@ def test_a_malformed_number_names_its_variable(raw, message):
     assert len(result.stderr.strip().splitlines()) == 1
 
 
+@pytest.mark.psycopg3  # Django's pool is psycopg 3's
+def test_database_pool_size_gives_the_project_a_pool_that_serves():
+    script = (
+        "from django.conf import settings; from django.db import connection; "
+        "print(settings.DATABASES['default']['OPTIONS']['pool']); "
+        "cursor = connection.cursor(); cursor.execute('SELECT 1'); "
+        "print(cursor.fetchone()[0] == 1); "
+        "print(type(connection.pool).__name__); connection.close_pool()"
+    )
+    result = manage("shell", "-c", script, DATABASE_POOL_SIZE="3")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip().splitlines()[-3:] == [
+        "{'min_size': 1, 'max_size': 3}",
+        "True",
+        "ConnectionPool",
+    ]
+    refused = manage("check", DATABASE_POOL_SIZE="-1")
+    assert refused.returncode != 0
+    assert "DATABASE_POOL_SIZE must be 0 or more, got -1." in refused.stderr
+
+
 def test_a_whole_number_setting_refuses_a_fraction():
     result = manage("check", WORKFLOW_DELIVERY_REAP_BATCH_SIZE="2.5")
     assert "WORKFLOW_DELIVERY_REAP_BATCH_SIZE must be a whole number, got '2.5'" in result.stderr
