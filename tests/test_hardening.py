@@ -271,16 +271,23 @@ def rows_read(cursor) -> int:
     return cursor.fetchone()[0]
 
 
-def test_reap_batch_does_not_read_the_rows_parked_in_a_fenced_community(db, raw):
-    parked = factories.Step(targets=[factories.key32() for _ in range(3000)])
+def park_expired_leases(count: int) -> factories.Step:
+    """``count`` leases that expired an hour ago, in a community then fenced."""
+    parked = factories.Step(targets=[factories.key32() for _ in range(count)])
     factories.committed(parked)
-    raw.execute(
-        "UPDATE workflow_agent_deliveries SET status = 'claimed', lease_generation = 1, "
-        "claimed_at = now() - interval '1 hour', lease_until = now() - interval '1 hour' "
-        "WHERE community_id = %s",
-        [parked.community.id],
-    )
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "UPDATE workflow_agent_deliveries SET status = 'claimed', lease_generation = 1, "
+            "claimed_at = now() - interval '1 hour', lease_until = now() - interval '1 hour' "
+            "WHERE community_id = %s",
+            [parked.community.id],
+        )
     factories.move_to(parked.community.id, "fenced")
+    return parked
+
+
+def test_reap_batch_does_not_read_the_rows_parked_in_a_fenced_community(db, raw):
+    park_expired_leases(3000)
     healthy = factories.Step(targets=3)
     factories.committed(healthy)
     expire_all(healthy)
@@ -299,16 +306,7 @@ def test_reap_batch_does_not_read_the_rows_parked_in_a_fenced_community(db, raw)
 def test_a_sweep_past_parked_rows_plans_its_batch_once_per_session():
     # Parked expired leases make a parameterised batch dearer to plan generically than
     # afresh, so PostgreSQL planned it again at every batch (bench/run.py reap_cliff).
-    parked = factories.Step(targets=[factories.key32() for _ in range(3000)])
-    factories.committed(parked)
-    with connection.cursor() as cursor:
-        cursor.execute(
-            "UPDATE workflow_agent_deliveries SET status = 'claimed', lease_generation = 1, "
-            "claimed_at = now() - interval '1 hour', lease_until = now() - interval '1 hour' "
-            "WHERE community_id = %s",
-            [parked.community.id],
-        )
-    factories.move_to(parked.community.id, "fenced")
+    park_expired_leases(3000)
     healthy = factories.Step(targets=4)
     factories.committed(healthy)
     with connection.cursor() as cursor:

@@ -45,6 +45,12 @@ def lane_statements() -> list[str]:
         return [name for (name,) in cursor.fetchall()]
 
 
+def kinds(delivery_id: uuid.UUID) -> list[str]:
+    """The kinds of a delivery's timeline entries, oldest first."""
+    entries = DeliveryTransition.objects.filter(delivery_id=delivery_id).order_by("id")
+    return list(entries.values_list("kind", flat=True))
+
+
 def cycle(step: factories.Step, target: bytes | None = None) -> Settled:
     lease, _ = services.claim_delivery(step.community.id, target or step.targets[0])
     return services.finish_delivery(lease, Outcome.FINISHED)
@@ -184,10 +190,6 @@ def test_the_timeline_setting_reaches_the_session_through_the_lane():
         assert cycle(step, step.targets[0]) == Settled(Outcome.FINISHED)
     assert cycle(step, step.targets[1]) == Settled(Outcome.FINISHED)
 
-    def kinds(delivery_id: uuid.UUID) -> list[str]:
-        entries = DeliveryTransition.objects.filter(delivery_id=delivery_id).order_by("id")
-        return list(entries.values_list("kind", flat=True))
-
     assert kinds(quiet) == ["committed"]
     assert kinds(recorded) == ["committed", "claimed", "finished"]
 
@@ -299,10 +301,6 @@ def test_a_pooled_session_is_told_the_timeline_setting_whoever_changed_it(
     assert finished == Settled(Outcome.FINISHED)
     # ...and this one, which last saw it recording, must turn it back on.
     assert cycle(step, step.targets[2]) == Settled(Outcome.FINISHED)
-
-    def kinds(delivery_id: uuid.UUID) -> list[str]:
-        entries = DeliveryTransition.objects.filter(delivery_id=delivery_id).order_by("id")
-        return list(entries.values_list("kind", flat=True))
 
     assert kinds(quiet) == ["committed"]
     assert kinds(recorded) == ["committed", "claimed", "finished"]
