@@ -12,10 +12,10 @@ Waking: with ``listen`` (by default when ``WORKFLOW_DELIVERY_NOTIFY`` is on) the
 thread listens for the producer's notifications (``wakeups``) and wakes an idle
 worker for each hint naming one of its targets; a worker with nothing to do also
 polls every ``poll_interval`` seconds, which is what makes a missed or dropped
-notification, or none at all, harmless. A heartbeat thread renews every in-flight lease each
-third of the lease, on its own connection, with a short ``lock_timeout``: a renew that
-meets the handler's own open ``holding()`` block is "busy" and tried again shortly,
-never a lost lease.
+notification, or none at all, harmless. A heartbeat thread renews every in-flight
+lease each third of the lease, on its own connection, with a short
+``lock_timeout``: a renew that meets the handler's own open ``holding()`` block is
+"busy" and tried again shortly, never a lost lease.
 
 Stopping (``stop()``, or SIGTERM/SIGINT through the command): no new claims; in-flight
 handlers get ``grace_seconds`` to finish and settle; leases still held after that are

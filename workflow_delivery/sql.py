@@ -420,8 +420,9 @@ def reap_batch(size: int, cap: int | None) -> str:
     the table holds many expired leases, even parked ones it never reads: the generic
     plan, blind to the LIMIT, is estimated dearer than a custom one, and planning this
     statement takes about as long as running a small batch (``bench/run.py
-    reap_cliff``: 1.0 against 0.6 ms). Without parameters there is one plan to keep.
-    A sweep uses one size and one cap, so a session prepares few of these."""
+    reap_cliff``: 1.47 ms a batch beside 100,000 parked leases, 0.80 ms planned once;
+    0.74 ms with none parked). Without parameters there is one plan to keep. A sweep
+    uses one size and one cap, so a session prepares few of these."""
     if not (isinstance(size, int) and not isinstance(size, bool)):
         raise TypeError(f"size must be an int, not {size!r}")
     if cap is not None and not (isinstance(cap, int) and not isinstance(cap, bool)):

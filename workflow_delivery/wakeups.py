@@ -2,10 +2,10 @@
 
 With ``WORKFLOW_DELIVERY_NOTIFY`` on, a commit that creates deliveries sends one
 notification per created row on ``WAKE_CHANNEL``: by default from the inserting
-statement itself, which PostgreSQL
-delivers with the commit, or, with ``WORKFLOW_DELIVERY_NOTIFY_IN_TRANSACTION = False``,
-right after the commit (``on_commit``, in a statement of its own). Either way a
-rolled-back commit sends nothing. The payload is identifiers only
+statement itself, which PostgreSQL delivers with the commit, or, with
+``WORKFLOW_DELIVERY_NOTIFY_IN_TRANSACTION = False``, right after the commit
+(``on_commit``, in a statement of its own). Either way a rolled-back commit sends
+nothing. The payload is identifiers only
 (``<community uuid>:<target hex>:<delivery uuid>``), never content. A wake is an
 accelerator: the claim it prompts goes through the ordinary claim path, and polling
 stays the source of truth, so a missed notification only delays a claim until the next
