@@ -208,11 +208,15 @@ class Harness:
         config_path.write_text(json.dumps(worker_config))
         self.fleet = Fleet(config_path, run_dir / "logs")
         self.stalls: list[Stall] = []
+        # Holders stalled and then released: their lease is someone else's now, and
+        # their stale renew and finish are what the stall is for, so no later fault
+        # picks them (a kill between the two left a run with no stale finish at all).
+        self.released: set[int] = set()
 
     # -- faults ---------------------------------------------------------------------------
 
     def _holders(self) -> list[tuple[int, subprocess.Popen, tuple[str, int]]]:
-        stalled = {stall.pid for stall in self.stalls}
+        stalled = {stall.pid for stall in self.stalls} | self.released
         holders = []
         for index, process in self.fleet.of_role("agent"):
             if process.poll() is not None or process.pid in stalled:
@@ -267,6 +271,7 @@ class Harness:
                 gen=stall.generation,
                 completed=bool(settled_by_other),
             )
+            self.released.add(stall.pid)
             stall.pid = 0
         return wasted
 
