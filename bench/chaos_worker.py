@@ -30,6 +30,21 @@ T = TypeVar("T")
 STEPS = ["ask", "remind", "close"]
 
 
+class Resumed:
+    """How many times this process was resumed (SIGCONT): the harness resumes a holder
+    it stalled, and that holder must check its lease before it reports, wherever in
+    its work the stall caught it."""
+
+    count = 0
+
+    @classmethod
+    def install(cls) -> None:
+        def resumed(signum: int, frame: object) -> None:
+            cls.count += 1
+
+        signal.signal(signal.SIGCONT, resumed)
+
+
 class Stop:
     requested = False
 
@@ -226,36 +241,47 @@ def run_agent(config: dict[str, Any], index: int, journal: Journal) -> None:
             result=name,
         )
 
+    def renew(lease: Any) -> bool:
+        t0 = time.time()
+        renewed = with_reconnect(
+            journal,
+            "renew",
+            lambda: services.renew_delivery(lease, lease_seconds=lease_seconds),
+        )
+        journal.write(
+            "renew",
+            id=str(lease.delivery_id),
+            gen=lease.generation,
+            t0=t0,
+            result="renewed" if isinstance(renewed, Renewed) else "lost",
+        )
+        return isinstance(renewed, Renewed)
+
     def hold(lease: Any) -> None:
         """Work on a claimed delivery, renewing at a third of the lease, then settle it."""
         long_job = rng.random() < config["long_work_share"]
         work = lease_seconds * rng.uniform(0.5, 1.6) if long_job else rng.uniform(0.01, 0.1)
         done_at = time.monotonic() + work
+        resumes = Resumed.count
+        lost = False
         while time.monotonic() < done_at:
             nap = max(0.0, min(lease_seconds / 3, done_at - time.monotonic()))
             woke_late = time.monotonic() + nap + lease_seconds / 3
             time.sleep(nap)
             # A holder that finds it was paused checks its lease before reporting.
-            paused = time.monotonic() > woke_late
+            paused = time.monotonic() > woke_late or Resumed.count != resumes
             if time.monotonic() >= done_at and not paused:
                 break
-            t0 = time.time()
-            renewed = with_reconnect(
-                journal,
-                "renew",
-                lambda: services.renew_delivery(lease, lease_seconds=lease_seconds),
-            )
-            journal.write(
-                "renew",
-                id=str(lease.delivery_id),
-                gen=lease.generation,
-                t0=t0,
-                result="renewed" if isinstance(renewed, Renewed) else "lost",
-            )
-            if not isinstance(renewed, Renewed):
-                # A holder that already acted still reports its outcome once; the
-                # fence, not the holder's good manners, must refuse it.
+            resumes = Resumed.count
+            if not renew(lease):
+                lost = True
                 break
+        if not lost and Resumed.count != resumes:
+            # Paused after its last check (between the work and the report): it checks
+            # again, as it would have had the pause caught it asleep.
+            renew(lease)
+        # A holder that already acted, or lost its lease, still reports its outcome
+        # once; the fence, not the holder's good manners, must refuse it.
         outcome = Outcome.FAILED if rng.random() < 0.1 else Outcome.FINISHED
         finish(lease, outcome)
 
@@ -584,6 +610,7 @@ ROLES = {
 def main(role: str, config_path: str, index: str) -> None:
     config = json.loads(Path(config_path).read_text())
     Stop.install()
+    Resumed.install()
     journal = Journal(
         Path(config["journal_dir"]) / f"{role}-{index}-{os.getpid()}.jsonl",
         role=role,
