@@ -18,6 +18,7 @@ from django.db import Error as DatabaseError
 from django.db import connection
 
 from . import errors
+from .conf import is_whole_number
 from .counters import FENCE_REFUSALS
 from .exceptions import (
     CommunityWriteFenced,
@@ -423,9 +424,9 @@ def reap_batch(size: int, cap: int | None) -> str:
     reap_cliff``: 1.47 ms a batch beside 100,000 parked leases, 0.80 ms planned once;
     0.74 ms with none parked). Without parameters there is one plan to keep. A sweep
     uses one size and one cap, so a session prepares few of these."""
-    if not (isinstance(size, int) and not isinstance(size, bool)):
+    if not is_whole_number(size):
         raise TypeError(f"size must be an int, not {size!r}")
-    if cap is not None and not (isinstance(cap, int) and not isinstance(cap, bool)):
+    if cap is not None and not is_whole_number(cap):
         raise TypeError(f"cap must be an int or None, not {cap!r}")
     # int() of an int subclass (an IntEnum, say) is the plain number, in digits.
     limit = str(int(size))
