@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 from datetime import UTC, date, datetime, timedelta, timezone
-from uuid import UUID
+from uuid import UUID, uuid4
 
 import pytest
 
@@ -649,7 +649,7 @@ def test_new_delivery_normalises_its_id() -> None:
     assert type(new.id) is UUID
 
 
-@pytest.mark.parametrize("value", [str(DELIVERY).upper(), None, 1])
+@pytest.mark.parametrize("value", [str(DELIVERY).upper(), 1, b"\x00" * 16, ""])
 def test_new_delivery_rejects_bad_id(value: object) -> None:
     with pytest.raises(ProtocolError) as excinfo:
         NewDelivery(value, make_binding())  # type: ignore[arg-type]
@@ -661,6 +661,29 @@ def test_new_delivery_rejects_non_binding(binding: object) -> None:
     with pytest.raises(ProtocolError) as excinfo:
         NewDelivery(DELIVERY, binding)  # type: ignore[arg-type]
     assert_field(excinfo, "binding")
+    with pytest.raises(ProtocolError) as excinfo:
+        NewDelivery(binding=binding)  # type: ignore[arg-type]
+    assert_field(excinfo, "binding")
+
+
+def test_new_delivery_without_an_id_gets_a_time_ordered_one() -> None:
+    binding = make_binding()
+    made = [NewDelivery(binding), NewDelivery(binding=binding), NewDelivery(None, binding)]
+    made += [NewDelivery(binding) for _ in range(500)]
+    assert {new.id.version for new in made} == {7}
+    assert len({new.id for new in made}) == len(made)
+    assert all(new.binding is binding for new in made)
+    # Made in order, they sort in order, to the millisecond their first 48 bits hold.
+    stamps = [new.id.int >> 80 for new in made]
+    assert stamps == sorted(stamps)
+    # The id a producer chose is kept as it is: a random one is accepted.
+    chosen = uuid4()
+    assert NewDelivery(chosen, binding).id == chosen
+    assert NewDelivery(id=chosen, binding=binding).id == chosen
+    assert NewDelivery(binding=binding, id=str(chosen)).id == chosen
+    # A copy with another binding keeps the id (dataclasses.replace calls __init__).
+    other = make_binding(step_id="other")
+    assert dataclasses.replace(made[0], binding=other) == NewDelivery(made[0].id, other)
 
 
 def test_only_finished_and_failed_are_terminal() -> None:

@@ -260,17 +260,26 @@ class DeliveryBinding:
             raise ProtocolError("target_pubkey", "is not a message-v1 target of the message")
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, init=False)
 class NewDelivery:
-    """A delivery the producer is about to commit, under an id it chose."""
+    """A delivery the producer is about to commit.
+
+    ``NewDelivery(binding)`` or ``NewDelivery(binding=binding)`` gives it a fresh,
+    time-ordered id (``new_delivery_id()``); ``NewDelivery(id, binding)`` keeps the id
+    the producer chose, any UUID (a random one too)."""
 
     id: UUID
     binding: DeliveryBinding
 
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "id", _uuid("id", self.id))
-        if not isinstance(self.binding, DeliveryBinding):
+    def __init__(
+        self, id: UUID | str | None = None, binding: DeliveryBinding | None = None
+    ) -> None:
+        if binding is None and isinstance(id, DeliveryBinding):
+            id, binding = None, id
+        if not isinstance(binding, DeliveryBinding):
             raise ProtocolError("binding", "must be a DeliveryBinding")
+        object.__setattr__(self, "id", new_delivery_id() if id is None else _uuid("id", id))
+        object.__setattr__(self, "binding", binding)
 
 
 @dataclass(frozen=True, slots=True)
