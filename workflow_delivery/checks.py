@@ -40,6 +40,9 @@ E009_MSG = (
     "WORKFLOW_DELIVERY_RETENTION must be a duration such as 30d, 12h, 15m or 90s, got {value!r}."
 )
 
+E011_MSG = "WORKFLOW_DELIVERY_NOTIFY must be True or False, got {value!r}."
+E012_MSG = "WORKFLOW_DELIVERY_NOTIFY_IN_TRANSACTION must be True or False, got {value!r}."
+
 
 def _positive_int(value: Any) -> bool:
     return is_whole_number(value) and value > 0
@@ -128,4 +131,12 @@ def check_settings(app_configs: Any = None, **kwargs: Any) -> list:
         parse_duration(retention)
     except ValueError:
         errors.append(checks.Error(E009_MSG.format(value=retention), id="workflow_delivery.E009"))
+    # A string such as "false" would be truthy: only a real bool is accepted.
+    for name, message, check_id in (
+        ("NOTIFY", E011_MSG, "workflow_delivery.E011"),
+        ("NOTIFY_IN_TRANSACTION", E012_MSG, "workflow_delivery.E012"),
+    ):
+        flag = getattr(app_settings, name)
+        if not isinstance(flag, bool):
+            errors.append(checks.Error(message.format(value=flag), id=check_id))
     return errors

@@ -29,12 +29,12 @@ DEFAULTS: dict[str, Any] = {
     "API_REPLAY_PRUNE_INTERVAL_SECONDS": 60.0,
     # With NOTIFY off, a ``wait`` looks for the caller's pending deliveries this often.
     "API_WAIT_POLL_SECONDS": 2.0,
-    # Producer commits send a wake-up per created delivery (see wakeups.py): from the
-    # insert itself, delivered with the commit, or (IN_TRANSACTION False) in a
-    # statement of their own right after it. Off by default: at a producer's limit they
-    # cost it 20-30 % of its throughput here (bench/run.py notify), against issue 11's
-    # rule that they are on by default only if the cost is small.
-    "NOTIFY": False,
+    # Wake-ups (wakeups.py): a consumer with nothing to claim registers its targets as
+    # idle, and a producer's insert notifies only those, once each, consuming the
+    # registration; with busy or absent consumers it sends none. From the insert
+    # itself, delivered with the commit, or (IN_TRANSACTION False) in a statement of
+    # their own right after it. Must be a real bool (checks: E011, E012).
+    "NOTIFY": True,
     "NOTIFY_IN_TRANSACTION": True,
     # Claims a delivery may use; an expired lease past it is settled failed. None: no cap.
     "MAX_ATTEMPTS": 20,

@@ -432,3 +432,22 @@ class AgentRequestReplay(models.Model):
 
     def __str__(self) -> str:
         return bytes(self.event_id).hex()
+
+
+class IdleWakeTarget(models.Model):
+    """A (community, target) whose consumer found nothing to claim and now waits for a
+    wake-up. The producer's insert notifies only the targets registered here and
+    deletes their rows in the same statement: one notification per idle episode. An
+    unlogged table (migration 0015): a row is a hint, lost with a crash at no cost."""
+
+    pk = models.CompositePrimaryKey("community_id", "target_pubkey")
+    community = _tenant_fk(Community, related_name="+")
+    target_pubkey = models.BinaryField()
+    registered_at = models.DateTimeField(db_default=TransactionNow(), editable=False)
+
+    class Meta:
+        db_table = "workflow_delivery_idle_wake_targets"
+        constraints = [_bytes32("target_pubkey", "wd_idle_wake_target_32_bytes")]
+
+    def __str__(self) -> str:
+        return bytes(self.target_pubkey).hex()

@@ -35,6 +35,7 @@ from .models import (
     Community,
     DeliveryTransition,
     Event,
+    IdleWakeTarget,
     Workflow,
     WorkflowAgentDelivery,
     WorkflowRun,
@@ -46,6 +47,7 @@ _q = connection.ops.quote_name
 DELIVERIES = _q(WorkflowAgentDelivery._meta.db_table)
 COMMUNITIES = _q(Community._meta.db_table)
 REPLAYS = _q(AgentRequestReplay._meta.db_table)
+IDLE = _q(IdleWakeTarget._meta.db_table)
 
 # Columns of a delivery record, in the order ``db.record`` reads them.
 RECORD_COLUMNS = [
@@ -167,29 +169,62 @@ LOCK_AND_INSERT_DELIVERIES = _insert(_INSERT_ROWS, lock=True)
 LOCK_AND_INSERT_SHARED_DELIVERIES = _insert(_SHARED_ROWS, lock=True)
 
 
+# One wake-up per idle (community, target) among the rows a producer created: the
+# pairs are deleted from the idle registry (so the next commit to them sends none
+# until a consumer registers again) and each is notified once, naming one of its new
+# rows. ``woken`` is a data-modifying CTE, so it runs whatever the outer query reads;
+# ``sent`` is materialized, so its NOTIFYs are queued exactly once.
+_WAKE_IDLE = f"""
+woken AS (
+    DELETE FROM {IDLE} AS i USING created AS c
+     WHERE i.community_id = c.community_id AND i.target_pubkey = c.target_pubkey
+    RETURNING i.community_id, i.target_pubkey, c.id
+),
+sent AS MATERIALIZED (
+    SELECT count(pg_notify('{WAKE_CHANNEL}', w.community_id::text || ':'
+                           || encode(w.target_pubkey, 'hex') || ':' || w.id::text)) AS n
+      FROM woken AS w
+)"""
+
+
 @lru_cache(maxsize=128)
 def notifying(insert: str) -> str:
     """Wrap a delivery insert (``… RETURNING id, community_id, target_pubkey``) so the
-    same statement sends one wake-up per row it created, on ``WAKE_CHANNEL``, and still
-    returns the created ids first (``WORKFLOW_DELIVERY_NOTIFY_IN_TRANSACTION``). A
+    same statement wakes the consumers waiting on the targets it created rows for,
+    and still returns those rows. Only targets in the idle registry are notified, once
+    each, and their registrations are consumed: a producer whose targets have no idle
+    consumer sends no NOTIFY and so never queues on the notify lock at its commit. A
     NOTIFY is queued with the transaction: PostgreSQL delivers it on commit and drops
-    it on rollback; a skipped duplicate returns no row, so it sends nothing."""
-    payload = "created.community_id::text || ':' || encode(created.target_pubkey, 'hex') || ':' "
-    payload += "|| created.id::text"
+    it (and restores the registrations) on rollback; a skipped duplicate creates no
+    row, so it wakes nobody."""
     return f"""
-WITH created AS ({insert.strip()})
-SELECT created.id, pg_notify('{WAKE_CHANNEL}', {payload}) FROM created
+WITH created AS ({insert.strip()}),
+{_WAKE_IDLE.strip()}
+SELECT created.id, created.community_id, created.target_pubkey FROM created CROSS JOIN sent
 """
 
 
-# Wake-ups sent after the producer's commit, one per payload, in one statement of
-# its own transaction. PostgreSQL gives a notifying transaction an xid, so its commit
-# would wait for a WAL flush while holding the notify queue's global lock; nothing
-# here needs to be durable (the deliveries already are), so this one commit skips the
-# wait and the lock is held for an instant.
-SEND_WAKES = """
-WITH no_flush AS MATERIALIZED (SELECT set_config('synchronous_commit', 'off', true))
-SELECT pg_notify(%s, payload) FROM no_flush, unnest(%s::text[]) AS payload
+# The same wake-ups, sent after the producer's commit in a transaction of their own
+# (``WORKFLOW_DELIVERY_NOTIFY_IN_TRANSACTION = False``): the created rows arrive as
+# arrays. Nothing here needs to be durable (the deliveries already are), so this
+# commit does not wait for its WAL flush and a notifying one holds the notify lock for
+# an instant only.
+WAKE_IDLE_AFTER_COMMIT = f"""
+WITH no_flush AS MATERIALIZED (SELECT set_config('synchronous_commit', 'off', true)),
+created AS (
+    SELECT c.* FROM no_flush,
+           unnest(%s::uuid[], %s::uuid[], %s::bytea[]) AS c (id, community_id, target_pubkey)
+),
+{_WAKE_IDLE.strip()}
+SELECT n FROM sent
+"""
+
+# A consumer with nothing to claim registers its targets as idle, once it listens and
+# before its last poll; an existing registration stays as it is.
+REGISTER_IDLE = f"""
+INSERT INTO {IDLE} (community_id, target_pubkey)
+SELECT %s::uuid, t FROM unnest(%s::bytea[]) AS t
+ON CONFLICT DO NOTHING
 """
 
 
@@ -600,6 +635,7 @@ SELECT set_config('workflow_delivery.executor_community', '', true),
 
 # Children first, so no foreign key refuses the purge.
 PURGE_ORDER = [
+    IdleWakeTarget._meta.db_table,
     DeliveryTransition._meta.db_table,
     AgentRequestReplay._meta.db_table,
     WorkflowAgentDelivery._meta.db_table,

@@ -1,16 +1,28 @@
-"""Wake-ups: the producer's commit notifies, a consumer listens and claims sooner.
+"""Wake-ups: an idle consumer registers, the producer's commit notifies it once.
 
-With ``WORKFLOW_DELIVERY_NOTIFY`` on, a commit that creates deliveries sends one
-notification per created row on ``WAKE_CHANNEL``: by default from the inserting
-statement itself, which PostgreSQL delivers with the commit, or, with
+A consumer (or an API ``wait``) that finds nothing to claim LISTENs on
+``WAKE_CHANNEL``, registers its (community, target) pairs as idle
+(``services.register_idle``, a row each in a small unlogged table), polls once more
+and then waits. With ``WORKFLOW_DELIVERY_NOTIFY`` on (the default), the statement that
+inserts a producer's deliveries also deletes the registrations of the targets it
+created rows for and sends one notification per target it deleted: by default from the
+inserting statement itself, which PostgreSQL delivers with the commit, or, with
 ``WORKFLOW_DELIVERY_NOTIFY_IN_TRANSACTION = False``, right after the commit
-(``on_commit``, in a statement of its own). Either way a rolled-back commit sends
-nothing. The payload is identifiers only
-(``<community uuid>:<target hex>:<delivery uuid>``), never content. A wake is an
-accelerator: the claim it prompts goes through the ordinary claim path, and polling
-stays the source of truth, so a missed notification only delays a claim until the next
-poll. The setting is off by default: at a producer's limit the wake-ups cost it a
-fifth or more of its throughput (README, "Wake-ups").
+(``on_commit``, in a statement of its own). A target's idle episode is announced once,
+however many rows land on it; a producer whose targets have no idle consumer sends
+nothing, so its commit never takes PostgreSQL's notify lock. A rolled-back commit
+sends nothing and keeps the registrations; a skipped duplicate creates no row and
+wakes nobody. The payload is identifiers only
+(``<community uuid>:<target hex>:<delivery uuid>``, one of the new rows), never content.
+
+A wake is an accelerator: the claim it prompts goes through the ordinary claim path,
+and polling stays the source of truth. A wake can be missed, and is then found by the
+consumer's next poll: when the producer's inserting statement began before the
+registration committed and its commit lands after the consumer's last look (with the
+in-transaction default; after the commit the registry is read only once the rows are
+visible), when the listening session was lost (a listener that reconnects sends its
+waiters to poll), or when the producer died between its commit and an after-commit
+send.
 
 ``WakeListener`` holds its own psycopg 3 connection, outside Django's connection
 handling: ``LISTEN`` needs a session that stays open and idle between waits, which a
@@ -51,7 +63,7 @@ class WakeHint:
 
 
 def format_wake(community_id: UUID | str, target_pubkey: bytes, delivery_id: UUID | str) -> str:
-    """The payload of one wake-up (``sql.notifying`` builds the same text in SQL)."""
+    """The payload of one wake-up (``sql._WAKE_IDLE`` builds the same text in SQL)."""
     if not isinstance(community_id, UUID):
         community_id = UUID(str(community_id))
     if not isinstance(delivery_id, UUID):
