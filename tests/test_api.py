@@ -23,7 +23,7 @@ from tests.sessions import listening_sessions
 from workflow_delivery import fence, services, sql
 from workflow_delivery.api import nip98
 from workflow_delivery.api.wake import hub
-from workflow_delivery.models import AgentRequestReplay, WorkflowAgentDelivery
+from workflow_delivery.models import AgentRequestReplay, IdleWakeTarget, WorkflowAgentDelivery
 
 pytestmark = pytest.mark.django_db
 
@@ -467,9 +467,10 @@ def test_wait_without_a_pending_delivery_ends_empty(client, agent):
 @pytest.mark.django_db(transaction=True)
 @pytest.mark.parametrize("notify", [False, True], ids=["wake-ups off", "wake-ups on"])
 def test_a_wait_polls_only_when_producers_send_no_wake_ups(client, agent, settings, notify):
-    """Wake-ups off (the default): a delivery committed while the agent waits is
-    found by the wait's own poll. On, the wait relies on them: a delivery committed
-    without one (sent by a process that has them off) is not seen before the timeout."""
+    """Wake-ups off: a delivery committed while the agent waits is found by the
+    wait's own poll, and the wait registers nothing. On (the default), the wait
+    registers its caller as idle and relies on wake-ups: a delivery committed without
+    one (sent by a process that has them off) is not seen before the timeout."""
     settings.WORKFLOW_DELIVERY_NOTIFY = notify
     settings.WORKFLOW_DELIVERY_API_WAIT_POLL_SECONDS = 0.2
     answer(agent.call(client, "POST", "v1/claim"), 200)
@@ -493,8 +494,13 @@ def test_a_wait_polls_only_when_producers_send_no_wake_ups(client, agent, settin
     response = agent.call(client, "GET", "v1/wait", query="timeout=3")
     elapsed = time.monotonic() - started
     committer.join(10)
-    # The process listens only when there are wake-ups to hear.
+    # The process listens, and registers its waiter, only when there are wake-ups
+    # to hear; the quiet producer left the registration in place.
     assert listening_sessions() == int(notify)
+    idle = IdleWakeTarget.objects.filter(target_pubkey=agent.pubkey)
+    assert list(idle.values_list("community_id", flat=True)) == (
+        [agent.step.community.id] if notify else []
+    )
     if notify:
         assert answer(response, 204) is None and elapsed >= 3
     else:

@@ -1,9 +1,10 @@
 """The agent API against a real server: uvicorn (ASGI) serving the demo project over
 the test database, driven by ``AgentClient`` from this process.
 
-Wake-ups come from the producer's own commit (its NOTIFY); one test also sends a
-notification by hand, for a delivery that is not pending, to prove the hint can only
-have come through the channel.
+Every setting is at its default, wake-ups included: a wait registers its caller as
+idle and the producer's own commit notifies it. One test also sends a notification by
+hand, for a delivery that is not pending, to prove the hint can only have come through
+the channel.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from tests.agent_http import pubkey, secret, uvicorn_server
 from workflow_delivery.api import nip98
 from workflow_delivery.client import AgentClient
 from workflow_delivery.exceptions import AgentApiError
+from workflow_delivery.models import IdleWakeTarget
 from workflow_delivery.protocol import (
     AlreadyTerminal,
     DeliveryStatus,
@@ -36,18 +38,11 @@ from workflow_delivery.wakeups import WAKE_CHANNEL, format_wake
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.psycopg3]
 
 
-@pytest.fixture(autouse=True)
-def wake_ups_on(settings) -> None:
-    """This process's producer commits send wake-ups (off by default), as the
-    server's do."""
-    settings.WORKFLOW_DELIVERY_NOTIFY = True
-
-
 @pytest.fixture(scope="module")
 def server(django_db_setup, django_db_blocker):
-    # A site with wake-ups on: its waits rely on them and do not poll, so a wait
-    # that ends before its poll could have is proof a wake-up ended it.
-    with uvicorn_server(extra_env={"WORKFLOW_DELIVERY_NOTIFY": "true"}) as url:
+    # A site on the defaults, wake-ups on: its waits rely on them and do not poll, so
+    # a wait that ends before its poll could have is proof a wake-up ended it.
+    with uvicorn_server() as url:
         yield url
 
 
@@ -121,6 +116,30 @@ def test_whole_lifecycle_over_http_with_a_wake(server):
         lease, record = agent.claim(delivery_id=waiting.hint.delivery_id, expected=second.binding)
         assert record.id == second.id
         assert agent.finish(lease, "failed") == Settled(Outcome.FAILED)
+
+
+def test_with_every_setting_at_its_default_a_wait_is_woken_in_under_a_second(server):
+    owner = factories.community("localhost")
+    key = secret()
+    waiting = Waiting(base_url(server, "localhost"), key, timeout=50)
+    waiting.start()
+    # The wait registers its caller as idle once its process listens, then looks once
+    # more; a commit from then on is announced by its producer.
+    idle = IdleWakeTarget.objects.filter(community_id=owner.id, target_pubkey=pubkey(key))
+    deadline = time.monotonic() + 15
+    while not idle.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert idle.exists()
+    time.sleep(0.2)
+    committed_at = time.monotonic()
+    (delivery,) = commit_and_wake(factories.Step(owner=owner, targets=[pubkey(key)]))
+    waiting.join(50)
+    woken_after = time.monotonic() - committed_at
+    assert waiting.error is None
+    assert waiting.hint is not None and waiting.hint.delivery_id == delivery.id
+    assert woken_after < 1.0
+    # The wake consumed the registration: the next commit sends nothing.
+    assert not idle.exists()
 
 
 def test_a_notification_reaches_its_waiter_and_no_other(server):

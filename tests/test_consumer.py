@@ -16,17 +16,10 @@ from tests.sessions import listening_sessions, other_sessions
 from workflow_delivery import services, wakeups
 from workflow_delivery.consumer import Consumer, ConsumerStats, DeliveryContext
 from workflow_delivery.exceptions import LeaseLostError, ProtocolError
-from workflow_delivery.models import WorkflowAgentDelivery
+from workflow_delivery.models import IdleWakeTarget, WorkflowAgentDelivery
 from workflow_delivery.protocol import DeliveryRecord, DeliveryStatus, Lease
 
 pytestmark = pytest.mark.django_db(transaction=True)
-
-
-@pytest.fixture(autouse=True)
-def wake_ups_on(settings) -> None:
-    """These consumers run as on a site that turned wake-ups on (the app's default is
-    off); the tests of the poll path and of the default turn them off again."""
-    settings.WORKFLOW_DELIVERY_NOTIFY = True
 
 
 @pytest.fixture
@@ -152,23 +145,24 @@ def test_with_notifications_off_a_poll_still_claims(db, settings):
     assert running.stats.finished == 2
 
 
-def test_by_default_nothing_is_sent_so_the_consumer_only_polls(db, settings):
-    # The app's own default: no WORKFLOW_DELIVERY_NOTIFY in the settings at all.
-    del settings.WORKFLOW_DELIVERY_NOTIFY
+def test_a_consumer_told_not_to_listen_polls_and_registers_nothing(db):
+    # Wake-ups are on (the default), but this consumer does not listen: it must not
+    # register as idle either, or producers would notify a session nobody holds.
     step = factories.Step(targets=1)
     handler = Recorder()
-    consumer = consumer_for(step, handler, poll_interval=0.3)
-    assert consumer.listen is False
-    assert consumer_for(step, handler, listen=True).listen is True
+    consumer = consumer_for(step, handler, poll_interval=0.3, listen=False)
+    assert consumer_for(step, handler).listen is True
     listening_before = listening_sessions()
     with Running(consumer) as running:
         started(running.consumer)
         time.sleep(0.4)
+        assert not IdleWakeTarget.objects.filter(community_id=step.community.id).exists()
         (delivery,) = factories.committed(step)
         assert eventually(lambda: status(delivery.id) == DeliveryStatus.FINISHED, 5)
         assert listening_sessions() == listening_before
         assert not running.consumer.listening.is_set()
     assert running.stats.finished == 1
+    assert not IdleWakeTarget.objects.filter(community_id=step.community.id).exists()
 
 
 def test_heartbeats_keep_a_handler_three_times_the_lease_alive(db):

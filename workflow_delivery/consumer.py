@@ -8,11 +8,14 @@ settles nothing (the delivery is someone else's now). ``context.lost`` is set as
 as the consumer learns the lease is gone, and ``context.holding()`` gives the
 handler lease-fenced writes (see ``services.holding``).
 
-Waking: with ``listen`` (by default when ``WORKFLOW_DELIVERY_NOTIFY`` is on) the main
-thread listens for the producer's notifications (``wakeups``) and wakes an idle
-worker for each hint naming one of its targets; a worker with nothing to do also
-polls every ``poll_interval`` seconds, which is what makes a missed or dropped
-notification, or none at all, harmless. A heartbeat thread renews every in-flight
+Waking: with ``listen`` (by default when ``WORKFLOW_DELIVERY_NOTIFY`` is on, as it is
+by default) the main thread listens for the producer's notifications (``wakeups``).
+A worker that finds nothing registers the consumer's targets as idle
+(``services.register_idle``) while the session listens, polls once more, and only
+then waits: the next commit to one of them notifies, and the main thread wakes the
+idle workers for a hint naming one of its targets. A waiting worker also polls every
+``poll_interval`` seconds, which is what makes a missed or dropped notification, or
+none at all, harmless. A heartbeat thread renews every in-flight
 lease each third of the lease, on its own connection, with a short
 ``lock_timeout``: a renew that meets the handler's own open ``holding()`` block is
 "busy" and tried again shortly, never a lost lease.
@@ -240,7 +243,8 @@ class Consumer:
     or ``max_deliveries`` claims have been handled, and returns the counts.
 
     ``listen`` (default: whether ``WORKFLOW_DELIVERY_NOTIFY`` is on) opens a session
-    that waits for the producers' wake-ups; without it the workers only poll.
+    that waits for the producers' wake-ups, and idle workers register for them;
+    without it the workers only poll.
     """
 
     def __init__(
@@ -289,7 +293,7 @@ class Consumer:
         if listen is not None and not isinstance(listen, bool):
             raise ProtocolError("listen", f"must be True, False or None: {listen!r}")
         # Producers that send no wake-ups leave a listening session nothing to hear.
-        self.listen = app_settings.NOTIFY if listen is None else listen
+        self.listen = app_settings.NOTIFY is True if listen is None else listen
         self.on_progress = on_progress
         self.stats = ConsumerStats()
         self._target_set = frozenset(self.targets)
@@ -303,6 +307,9 @@ class Consumer:
         #: Set once the wake-up session listens (observers: tests, benchmarks). Never
         #: set without one (``listen=False``, or no psycopg 3: ``wakeups.available()``).
         self.listening = threading.Event()
+        # Set while the session listens: only then may a worker register as idle, since
+        # a wake-up sent to nobody would consume the registration for nothing.
+        self._heard = threading.Event()
 
     # -- control -------------------------------------------------------------------
 
@@ -376,6 +383,10 @@ class Consumer:
             try:
                 listener.connect()
                 self.listening.set()
+                self._heard.set()
+                # A worker that missed before the session listened waits without a
+                # registration: send it round again to register.
+                self._wake_workers()
             except psycopg.OperationalError as exc:
                 # Its own session, outside Django: psycopg's error, not Django's.
                 # The next wait retries; until then the workers poll.
@@ -396,9 +407,17 @@ class Consumer:
                     and hint.target_pubkey in self._target_set
                 )
                 if ours:
-                    self._wake_workers(ours)
+                    # One wake per idle target, however many rows were committed:
+                    # every waiting worker looks, and those that miss register again.
+                    self._wake_workers()
                 if listener.connected:
                     self.listening.set()
+                    if not self._heard.is_set():
+                        # Listening again (or at last): idle workers register now.
+                        self._heard.set()
+                        self._wake_workers()
+                else:
+                    self._heard.clear()
                 if listener.reconnects != reconnects:
                     # Whatever was sent while nobody listened is found by a poll now.
                     reconnects = listener.reconnects
@@ -459,6 +478,11 @@ class Consumer:
                     seen = self._wake_seq
                 try:
                     claimed = self._claim(turn)
+                    if claimed is None and self._heard.is_set():
+                        # Registered while the session listens, a commit from now on
+                        # wakes us; this poll finds one that came before.
+                        services.register_idle(self.community_id, self.targets, using=self.using)
+                        claimed = self._claim(turn)
                 except CONNECTION_ERRORS as exc:
                     self._unreserve()
                     self._count("connection_errors")

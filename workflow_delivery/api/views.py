@@ -197,17 +197,25 @@ def get(request: HttpRequest, delivery_id: schema.Uuid):
 def _prepare_wait(caller: Caller) -> UUID | None:
     """After the waiter is registered and, with wake-ups on, the listener LISTENs: the
     oldest pending delivery already there (committed before we listened), or None.
-    With them off nothing is sent to listen for; the wait polls instead."""
-    if app_settings.NOTIFY:
-        hub.ensure_listening()
-    return _pending_delivery(caller)
+    Finding none while listening, the caller's target is registered as idle
+    (``services.register_idle``) and looked at once more, so a commit lands either
+    before that look or after the registration, which makes its producer notify.
+    With wake-ups off nothing is sent to listen for; the wait polls instead."""
+    listening = app_settings.NOTIFY is True and hub.ensure_listening()
+    pending = _pending_delivery(caller)
+    if pending is None and listening:
+        pending = _pending_delivery(caller, register_idle=True)
+    return pending
 
 
-def _pending_delivery(caller: Caller) -> UUID | None:
-    """The caller's oldest pending delivery, or None. The request's connection is
-    then released so the wait itself holds none."""
+def _pending_delivery(caller: Caller, *, register_idle: bool = False) -> UUID | None:
+    """The caller's oldest pending delivery, or None; with ``register_idle``, asked
+    once the caller's target is registered as idle. The request's connection is then
+    released so the wait itself holds none."""
     with wait_gate:
         try:
+            if register_idle:
+                services.register_idle(caller.community_id, [caller.pubkey])
             return (
                 WorkflowAgentDelivery.objects.pending()
                 .for_target(caller.community_id, caller.pubkey)
@@ -259,7 +267,7 @@ async def _until_woken(
     ``WORKFLOW_DELIVERY_API_WAIT_POLL_SECONDS``."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout
-    poll = None if app_settings.NOTIFY else app_settings.API_WAIT_POLL_SECONDS
+    poll = None if app_settings.NOTIFY is True else app_settings.API_WAIT_POLL_SECONDS
     while (remaining := deadline - loop.time()) > 0:
         # asyncio.wait, not wait_for: a slice that ends must not cancel the future.
         done, _ = await asyncio.wait({woken}, timeout=min(remaining, poll or remaining))

@@ -5,7 +5,9 @@ A waiter costs a future, not a connection: the listener thread holds the only
 connection that LISTENs (``wakeups.WakeListener``), and resolves the futures of the
 (community, target) a notification names, on each waiter's own event loop. After a
 lost and reopened session every waiter is answered empty, so its agent polls for
-anything sent meanwhile. A wake is an accelerator only: the agent still claims
+anything sent meanwhile. Producers notify only targets registered as idle: the view
+registers its caller's (``services.register_idle``) once this hub listens, before its
+last look for a pending delivery. A wake is an accelerator only: the agent still claims
 through the ordinary path.
 """
 
