@@ -421,9 +421,6 @@ def worker_environment(url: str) -> dict[str, str]:
     # DEBUG would keep every query of a long-running process in memory.
     env = {**os.environ, "DATABASE_URL": url, "DEBUG": "false"}
     env.setdefault("SECRET_KEY", "chaos-harness-not-a-secret")
-    # Wake-ups are off by default; the harness sends them, so listeners are put
-    # through the faults too (their sessions killed, the server restarted).
-    env.setdefault("WORKFLOW_DELIVERY_NOTIFY", "true")
     return env
 
 

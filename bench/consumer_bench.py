@@ -192,7 +192,8 @@ def _wake_samples(
     consumer_options: dict[str, Any] = {"lease_seconds": 60}
     if notify:
         # Only a notification can explain a fast claim: the poll is 30 s away. The
-        # consumer runs in a process of its own, whose setting is the default (off).
+        # consumer runs in a process of its own, on the defaults (wake-ups on): it
+        # registers as idle after each miss, so each commit wakes it once.
         consumer_options.update(poll_interval=30.0, listen=True)
     else:
         consumer_options.update(poll_interval=POLL_BASELINE_SECONDS, listen=False)
@@ -332,8 +333,9 @@ def notify(db: common.BenchDb, options: Options) -> list[Figure]:
 
     workers = options.workers or 8
     figures = []
-    # A session listens throughout, as a deployed consumer would: PostgreSQL then
-    # has to keep every notification for it.
+    # A session listens throughout, as a deployed consumer would, but registers as
+    # idle for nothing: these producers find no idle target and send no
+    # notification, which is what a producer with busy or absent consumers pays.
     stop = threading.Event()
     received = [0]
 

@@ -22,6 +22,7 @@ from typing import Any
 from tqdm import tqdm
 
 from bench import common
+from workflow_delivery.conf import DEFAULTS
 
 SERVICE = "service"
 BASELINE = "baseline"
@@ -312,16 +313,20 @@ def _notify_produce(
 _LOOPS = {
     ("cycle", SERVICE): _service_cycle,
     ("cycle", BASELINE): _baseline_cycle,
-    ("produce", SERVICE): _service_produce,
+    # The service producer on the app's defaults, whatever an earlier phase of this
+    # process set.
+    ("produce", SERVICE): _notify_produce(
+        DEFAULTS["NOTIFY"], in_transaction=DEFAULTS["NOTIFY_IN_TRANSACTION"]
+    ),
     ("produce", BASELINE): _baseline_produce,
     # Wake-ups on (service side: after the commit / in the transaction) against off.
     ("produce-notify", SERVICE): _notify_produce(True),
     ("produce-notify", BASELINE): _notify_produce(False),
     ("produce-notify-tx", SERVICE): _notify_produce(True, in_transaction=True),
     ("produce-notify-tx", BASELINE): _notify_produce(False),
-    # The service producer with wake-ups against the hand-written insert (none).
-    ("produce-woken", SERVICE): _notify_produce(True, in_transaction=True),
-    ("produce-woken", BASELINE): _baseline_produce,
+    # The service producer with wake-ups off against the hand-written insert (none).
+    ("produce-quiet", SERVICE): _notify_produce(False),
+    ("produce-quiet", BASELINE): _baseline_produce,
     # Batch claim + batch finish ("service") against today's single cycle ("baseline").
     ("batch", SERVICE): _service_batch,
     ("batch", BASELINE): _service_single,
