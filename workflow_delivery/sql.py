@@ -400,6 +400,9 @@ _REAP_BATCH = f"""
 WITH actor AS MATERIALIZED (
     SELECT set_config('workflow_delivery.actor', 'reaper', true) AS name
 ),
+-- Rows another transaction holds (a holder inside holding() past its lease) are
+-- skipped before each LIMIT counts, so locked rows never fill a batch or a candidate
+-- slot and every unlocked expired lease is reachable.
 candidates AS MATERIALIZED (
     SELECT c.id, e.oldest
       FROM actor, {COMMUNITIES} AS c
@@ -408,6 +411,7 @@ candidates AS MATERIALIZED (
             WHERE r.community_id = c.id AND r.status = 'claimed'
               AND r.lease_until < statement_timestamp()
             ORDER BY r.lease_until LIMIT 1
+              FOR UPDATE OF r SKIP LOCKED
      ) AS e
      WHERE c.deletion_state = 'active'
      ORDER BY e.oldest
@@ -429,6 +433,7 @@ expired AS (
                    WHERE r.community_id = open.id AND r.status = 'claimed'
                      AND r.lease_until < statement_timestamp()
                    ORDER BY r.lease_until LIMIT %s
+                     FOR UPDATE OF r SKIP LOCKED
             ) AS x
             ORDER BY x.lease_until LIMIT %s
      )
