@@ -148,3 +148,16 @@ def test_release_says_why_it_skipped_a_pending_row(admin_client):
 def test_overview_is_linked_from_the_list(admin_client):
     page = admin_client.get(changelist(WorkflowAgentDelivery)).content.decode()
     assert reverse("admin:workflow_delivery_overview") in page
+
+
+def test_overview_needs_the_delivery_lists_view_permission(client, django_user_model):
+    factories.Step(targets=1)
+    staff = django_user_model.objects.create_user("staff-only", is_staff=True)
+    client.force_login(staff)
+    listing = "/admin/workflow_delivery/workflowagentdelivery/"
+    assert client.get(listing).status_code == 403
+    response = client.get(OVERVIEW)
+    assert response.status_code == 403
+    assert b"data-community" not in response.content
+    grant(staff, "view_workflowagentdelivery")
+    assert client.get(OVERVIEW).status_code == 200

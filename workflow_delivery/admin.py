@@ -705,7 +705,10 @@ class DeliveryAdmin(ReadOnlyAdmin):
 
     def overview_view(self, request: HttpRequest) -> HttpResponse:
         """Per community: fence state, counts by status, oldest pending age, expired
-        leases; and settles per minute over the last hour, drawn as SVG."""
+        leases; and settles per minute over the last hour, drawn as SVG. It shows every
+        community's deliveries, so it asks what the delivery list asks."""
+        if not self.has_view_permission(request):
+            raise PermissionDenied
         figures = sorted(metrics.community_figures().values(), key=lambda f: f.host)
         per_minute = overview.settles_per_minute()
         context = {
