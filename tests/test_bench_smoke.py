@@ -47,7 +47,7 @@ def test_harness_runs_and_drops_its_database(db, tmp_path: Path) -> None:
     assert producer == [
         "1-target steps, 1 workers",
         "10-target steps, 1 workers",
-        "10-target steps, wake-ups on, 1 workers",
+        "10-target steps, wake-ups off, 1 workers",
     ]
     assert b"throughput" in out
     assert results["postgres"]["version"].startswith("PostgreSQL")
