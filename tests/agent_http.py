@@ -38,11 +38,13 @@ def signed(
     sign_url: str | None = None,
     sign_method: str | None = None,
     sign_body: bytes | None = None,
+    sign_host: str | None = None,
     authorization: str | None = None,
     **sign_options,
 ):
     """One request to the API through the test client, signed for exactly what it sends
-    unless a ``sign_*`` override signs something else."""
+    unless a ``sign_*`` override signs something else (``sign_host``: the ``host``
+    tag, none by default)."""
     body = raw if raw is not None else b"" if document is None else json.dumps(document).encode()
     full_path = MOUNT + path + (f"?{query}" if query else "")
     url = f"http://{host}{full_path}"
@@ -52,6 +54,7 @@ def signed(
             url=sign_url if sign_url is not None else url,
             method=sign_method if sign_method is not None else method,
             body=sign_body if sign_body is not None else body,
+            host=sign_host,
             **sign_options,
         )
     return client.generic(

@@ -10,10 +10,10 @@ import json
 import threading
 import time
 import uuid
-from datetime import timedelta
+from datetime import UTC, timedelta
 
 import pytest
-from django.db import connection, connections
+from django.db import connection, connections, transaction
 from django.test import Client, override_settings
 from django.utils import timezone
 
@@ -130,6 +130,8 @@ def test_openapi_document_is_served_and_names_every_endpoint(client):
     assert document["openapi"].startswith("3.")
     assert set(document["paths"]) == {
         "/agents/v1/claim",
+        "/agents/v1/claim/batch",
+        "/agents/v1/finish/batch",
         "/agents/v1/deliveries/{delivery_id}/renew",
         "/agents/v1/deliveries/{delivery_id}/finish",
         "/agents/v1/deliveries/{delivery_id}",
@@ -250,10 +252,58 @@ def test_query_string_is_part_of_the_signed_url(client, agent):
 def test_origin_setting_names_the_scheme_and_host_behind_a_proxy(client, agent, settings):
     settings.WORKFLOW_DELIVERY_API_ORIGIN = "https://agents.example"
     path = f"v1/deliveries/{agent.delivery.id}"
-    direct = agent.call(client, "GET", path)
+    direct = agent.call(client, "GET", path, sign_host=agent.host)
     answer(direct, 401, "auth_url_mismatch")
-    proxied = agent.call(client, "GET", path, sign_url=f"https://agents.example/agents/{path}")
+    shared = f"https://agents.example/agents/{path}"
+    proxied = agent.call(client, "GET", path, sign_url=shared, sign_host=agent.host.upper())
     assert answer(proxied, 200)["id"] == str(agent.delivery.id)
+
+
+def test_behind_a_shared_origin_the_event_must_name_its_community(client, agent, settings):
+    settings.WORKFLOW_DELIVERY_API_ORIGIN = "https://agents.example"
+    before = rows()
+    shared = "https://agents.example/agents/v1/claim"
+    refused(agent.call(client, "POST", "v1/claim", sign_url=shared), "auth_host_missing", before)
+    assert not AgentRequestReplay.objects.exists()
+
+
+def test_a_signed_request_replayed_at_another_community_is_refused(client, agent, settings):
+    """Behind a shared origin the signed URL is the same for every community: the
+    signed host tag binds the request to one, and its replay is refused at any."""
+    settings.WORKFLOW_DELIVERY_API_ORIGIN = "https://agents.example"
+    beta = factories.Step(targets=[agent.pubkey])
+    factories.committed(beta)
+    shared = "https://agents.example/agents/v1/claim"
+    header = nip98.sign_request(agent.secret, url=shared, method="POST", host=agent.host)
+    served = answer(agent.call(client, "POST", "v1/claim", authorization=header), 200)
+    assert served["delivery"]["community_id"] == str(agent.step.community.id)
+    before = rows()
+    replayed = agent.call(
+        client, "POST", "v1/claim", authorization=header, host=beta.community.host
+    )
+    refused(replayed, "auth_host_mismatch", before)
+    refused(agent.call(client, "POST", "v1/claim", authorization=header), "auth_replay", before)
+    assert WorkflowAgentDelivery.objects.get(community=beta.community).status == "pending"
+
+
+def test_a_host_tag_must_name_the_host_served(client, agent):
+    before = rows()
+    response = agent.call(client, "POST", "v1/claim", sign_host="elsewhere.example")
+    refused(response, "auth_host_mismatch", before)
+    tagged = agent.call(client, "POST", "v1/claim", sign_host=agent.host)
+    assert answer(tagged, 200)["delivery"]["id"] == str(agent.delivery.id)
+
+
+def test_deeply_nested_json_in_the_header_is_malformed_not_a_crash(client, agent):
+    before = rows()
+    nested = "Nostr " + base64.b64encode(b"[" * 6000).decode()
+    assert len(nested) < nip98.MAX_HEADER_CHARS
+    response = agent.call(client, "POST", "v1/claim", authorization=nested)
+    refused(response, "auth_malformed", before)
+    deep_object = "Nostr " + base64.b64encode(b'{"a":' * 1500 + b"1" + b"}" * 1500).decode()
+    refused(
+        agent.call(client, "POST", "v1/claim", authorization=deep_object), "auth_malformed", before
+    )
 
 
 def test_wrong_method_is_refused(client, agent):
@@ -325,6 +375,26 @@ def test_another_community_through_the_host_header(client, agent):
     by_id = {"delivery_id": str(agent.delivery.id)}
     assert answer(agent.call(client, "POST", "v1/claim", by_id, host=elsewhere.host), 204) is None
     assert rows() == before
+
+
+@pytest.mark.parametrize("shape", ["{host}.evil", "{label}", "x{host}", "{host}-2"])
+def test_a_host_that_only_resembles_a_community_is_unknown(client, agent, shape):
+    before = rows()
+    host = shape.format(host=agent.host, label=agent.host.split(".")[0])
+    response = agent.call(client, "POST", "v1/claim", host=host)
+    answer(response, 404, "unknown_community")
+    assert rows() == before
+    assert not AgentRequestReplay.objects.exists()
+
+
+def test_claim_of_another_agents_pending_delivery_by_id_is_a_miss(client, agent):
+    intruder = Agent(owner=agent.step.community)
+    before = rows()
+    by_id = {"delivery_id": str(agent.delivery.id), "lease_seconds": 30}
+    assert answer(intruder.call(client, "POST", "v1/claim", by_id), 204) is None
+    assert rows() == before
+    mine = answer(agent.call(client, "POST", "v1/claim", by_id), 200)
+    assert mine["delivery"]["id"] == str(agent.delivery.id)
 
 
 def test_unknown_host_is_404(client, agent):
@@ -513,14 +583,17 @@ def test_a_wait_polls_only_when_producers_send_no_wake_ups(client, agent, settin
 # -- the replay guard table --------------------------------------------------------------
 
 
-def test_replay_guard_is_unique_per_community():
+def test_replay_guard_holds_an_event_once_across_communities():
     one, two = factories.community(), factories.community()
     event = factories.key32()
     now = int(time.time())
     assert services.record_request_event(one.id, event, now) == (True, True)
     assert services.record_request_event(one.id, event, now) == (True, False)
-    assert services.record_request_event(two.id, event, now) == (True, True)
+    assert services.record_request_event(two.id, event, now) == (True, False)
+    admitted = services.admit_request_event(two.host.upper(), event, now)
+    assert (admitted.community_id, admitted.fresh, admitted.recorded) == (two.id, True, False)
     assert services.record_request_event(one.id, factories.key32(), now - 120) == (False, False)
+    assert AgentRequestReplay.objects.filter(event_id=event).count() == 1
 
 
 @pytest.mark.django_db(transaction=True)
@@ -593,3 +666,215 @@ def test_replay_rows_are_behind_the_write_fence(raw):
     with pytest.raises(CommunityWriteFenced):
         services.record_request_event(owner.id, factories.key32(), int(time.time()))
     assert connection.in_atomic_block
+
+
+# -- one transaction per request -------------------------------------------------------
+
+
+def test_a_refused_operation_keeps_no_replay_row(client, agent):
+    claimed = answer(agent.call(client, "POST", "v1/claim", {"lease_seconds": 30}), 200)
+    path = f"v1/deliveries/{claimed['lease']['delivery_id']}"
+    stale = {"generation": claimed["lease"]["generation"] + 1}
+    answer(agent.call(client, "POST", f"{path}/renew", stale), 409, "lease_lost")
+    answer(agent.call(client, "POST", f"{path}/finish", stale | {"outcome": "failed"}), 409)
+    answer(agent.call(client, "GET", f"v1/deliveries/{uuid.uuid4()}"), 404, "not_found")
+    assert AgentRequestReplay.objects.count() == 1
+
+
+def test_the_same_signed_request_refused_once_is_judged_afresh(client, agent, settings):
+    settings.WORKFLOW_DELIVERY_MAX_LEASE_SECONDS = 60
+    body = json.dumps({"lease_seconds": 600}).encode()
+    url = f"http://{agent.host}/agents/v1/claim"
+    header = nip98.sign_request(agent.secret, url=url, method="POST", body=body)
+    before = rows()
+    first = agent.call(client, "POST", "v1/claim", raw=body, authorization=header)
+    assert answer(first, 400, "invalid_request")["field"] == "lease_seconds"
+    assert rows() == before and not AgentRequestReplay.objects.exists()
+    settings.WORKFLOW_DELIVERY_MAX_LEASE_SECONDS = 3600
+    retried = answer(agent.call(client, "POST", "v1/claim", raw=body, authorization=header), 200)
+    assert retried["delivery"]["id"] == str(agent.delivery.id)
+    again = agent.call(client, "POST", "v1/claim", raw=body, authorization=header)
+    answer(again, 401, "auth_replay")
+
+
+def _waiting_on_locks(count: int) -> bool:
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        with connections["default"].cursor() as cursor:
+            cursor.execute(
+                "SELECT count(*) FROM pg_stat_activity "
+                "WHERE datname = current_database() AND wait_event_type = 'Lock'"
+            )
+            if cursor.fetchone()[0] >= count:
+                return True
+        time.sleep(0.02)
+    return False
+
+
+@pytest.mark.django_db(transaction=True)
+def test_two_identical_requests_at_once_run_once_and_the_replay_row_waits_for_the_operation(
+    settings,
+):
+    """The replay row is written in the operation's transaction: while the finish
+    waits for its row, its replay row is not committed, and the identical request
+    sent meanwhile waits on that row, then is refused; the delivery settles once."""
+    settings.ALLOWED_HOSTS = ["*"]
+    agent = Agent()
+    client = Client()
+    claimed = answer(agent.call(client, "POST", "v1/claim", {"lease_seconds": 60}), 200)
+    path = f"v1/deliveries/{agent.delivery.id}/finish"
+    body = json.dumps({"generation": claimed["lease"]["generation"], "outcome": "finished"})
+    url = f"http://{agent.host}/agents/{path}"
+    header = nip98.sign_request(agent.secret, url=url, method="POST", body=body.encode())
+    event_id = bytes.fromhex(json.loads(base64.b64decode(header.split(" ", 1)[1]))["id"])
+    answers: list = []
+
+    def send() -> None:
+        try:
+            response = agent.call(Client(), "POST", path, raw=body.encode(), authorization=header)
+            answers.append((response.status_code, response.json()))
+        finally:
+            connections.close_all()
+
+    locked, release = threading.Event(), threading.Event()
+
+    def lock_the_row() -> None:
+        try:
+            with transaction.atomic():
+                WorkflowAgentDelivery.objects.select_for_update().get(id=agent.delivery.id)
+                locked.set()
+                release.wait(30)
+        finally:
+            connections.close_all()
+
+    locker = threading.Thread(target=lock_the_row)
+    senders = [threading.Thread(target=send) for _ in range(2)]
+    locker.start()
+    try:
+        assert locked.wait(10)
+        senders[0].start()
+        assert _waiting_on_locks(1), answers
+        senders[1].start()
+        assert _waiting_on_locks(2), answers
+        # Both wait: the first on the delivery's row, the second on the first's
+        # replay row, which is not committed yet.
+        assert not AgentRequestReplay.objects.filter(event_id=event_id).exists()
+    finally:
+        release.set()
+        for thread in (locker, *senders):
+            if thread.ident is not None:
+                thread.join(30)
+    codes = sorted(
+        (status, document.get("result") or document.get("error")) for status, document in answers
+    )
+    assert codes == [(200, "settled"), (401, "auth_replay")]
+    assert WorkflowAgentDelivery.objects.get(id=agent.delivery.id).status == "finished"
+    assert AgentRequestReplay.objects.filter(event_id=event_id).count() == 1
+
+
+# -- the message, to its target only ---------------------------------------------------
+
+
+def _message(step: factories.Step) -> dict:
+    event = step.message
+    return {
+        "id": bytes(event.id).hex(),
+        "pubkey": bytes(event.pubkey).hex(),
+        "created_at": event.created_at.astimezone(UTC).isoformat().replace("+00:00", "Z"),
+        "kind": 9,
+        "tags": event.tags,
+        "content": event.content,
+    }
+
+
+def test_the_claim_and_the_read_carry_the_message_to_its_target(client, agent):
+    claimed = answer(agent.call(client, "POST", "v1/claim"), 200)
+    assert claimed["delivery"]["message"] == _message(agent.step)
+    path = f"v1/deliveries/{agent.delivery.id}"
+    assert answer(agent.call(client, "GET", path), 200)["message"] == _message(agent.step)
+
+
+def test_another_agent_cannot_read_the_message(client, agent):
+    other = Agent(owner=agent.step.community)
+    path = f"v1/deliveries/{agent.delivery.id}"
+    for intruder in ({"secret_key": other.secret}, {"secret_key": secret()}):
+        response = agent.call(client, "GET", path, **intruder)
+        answer(response, 404, "not_found")
+        assert agent.step.message.content.encode() not in response.content
+        assert bytes(agent.step.message.id).hex().encode() not in response.content
+
+
+# -- batches -----------------------------------------------------------------------------
+
+
+def _more_deliveries(agent: Agent, count: int) -> list:
+    steps = [
+        factories.Step(owner=agent.step.community, targets=[agent.pubkey], step_id=f"more-{n}")
+        for n in range(count)
+    ]
+    return [factories.committed(step)[0] for step in steps]
+
+
+def test_claim_batch_claims_up_to_the_limit_oldest_first_with_messages(client, agent):
+    _more_deliveries(agent, 2)
+    claimed = answer(agent.call(client, "POST", "v1/claim/batch", {"limit": 2}), 200)["claimed"]
+    assert len(claimed) == 2
+    oldest = WorkflowAgentDelivery.objects.order_by("created_at", "id").values_list("id", flat=True)
+    assert [item["delivery"]["id"] for item in claimed] == [str(value) for value in oldest[:2]]
+    assert all(item["delivery"]["message"]["kind"] == 9 for item in claimed)
+    assert all(item["lease"]["generation"] == 1 for item in claimed)
+    rest = answer(agent.call(client, "POST", "v1/claim/batch", {"limit": 5}), 200)["claimed"]
+    assert len(rest) == 1
+    assert answer(agent.call(client, "POST", "v1/claim/batch", {"limit": 5}), 200) == {
+        "claimed": []
+    }
+
+
+@pytest.mark.parametrize("limit", [0, 101, "2", None])
+def test_claim_batch_refuses_a_bad_limit(client, agent, limit):
+    before = rows()
+    response = agent.call(client, "POST", "v1/claim/batch", {"limit": limit})
+    assert answer(response, 400, "invalid_request")["field"] == "limit"
+    assert rows() == before
+
+
+def test_finish_batch_answers_each_settlement_in_order(client, agent):
+    _more_deliveries(agent, 1)
+    claimed = answer(agent.call(client, "POST", "v1/claim/batch", {"limit": 2}), 200)["claimed"]
+    first, second = (item["lease"] for item in claimed)
+    settlements = [
+        {"delivery_id": first["delivery_id"], "generation": 1, "outcome": "finished"},
+        {"delivery_id": second["delivery_id"], "generation": 7, "outcome": "finished"},
+        {"delivery_id": first["delivery_id"], "generation": 1, "outcome": "failed"},
+    ]
+    results = answer(
+        agent.call(client, "POST", "v1/finish/batch", {"settlements": settlements}), 200
+    )["results"]
+    assert results == [
+        {
+            "delivery_id": first["delivery_id"],
+            "result": "settled",
+            "outcome": "finished",
+            "status": None,
+        },
+        {
+            "delivery_id": second["delivery_id"],
+            "result": "lease_lost",
+            "outcome": None,
+            "status": None,
+        },
+        {
+            "delivery_id": first["delivery_id"],
+            "result": "already_terminal",
+            "outcome": None,
+            "status": "finished",
+        },
+    ]
+    intruder = {"secret_key": secret()}
+    stolen = [{"delivery_id": second["delivery_id"], "generation": 1, "outcome": "failed"}]
+    before = rows()
+    results = answer(
+        agent.call(client, "POST", "v1/finish/batch", {"settlements": stolen}, **intruder), 200
+    )["results"]
+    assert [item["result"] for item in results] == ["lease_lost"]
+    assert rows() == before

@@ -7,7 +7,7 @@
         if claimed is None:
             client.wait(timeout=30)
             continue
-        lease, record = claimed
+        lease, record = claimed          # claimed.message: the message event
         ...
         client.finish(lease, "finished")
 
@@ -26,11 +26,13 @@ from .api import documents, nip98
 from .exceptions import AgentApiError, ProtocolError
 from .protocol import (
     AlreadyTerminal,
+    Claimed,
     DeliveryBinding,
     DeliveryRecord,
     DeliveryStatus,
     Lease,
     LeaseLost,
+    MessageEvent,
     Outcome,
     Renewed,
     Settled,
@@ -38,6 +40,9 @@ from .protocol import (
 )
 
 __all__ = ["AgentClient"]
+
+# How much of an answer that is not JSON an AgentApiError quotes.
+_QUOTED_CHARS = 200
 
 # A kept-alive connection idle longer than this is replaced before use: servers
 # close idle connections (uvicorn after 5 s) and a request sent into a closing
@@ -77,11 +82,18 @@ class AgentClient:
         *,
         timeout: float = 30.0,
         connect_to: tuple[str, int] | None = None,
+        community_host: str | None = None,
     ) -> None:
         """``connect_to=(address, port)`` opens the connections there instead of at the
         URL's host, while the Host header and the signed URL stay those of
         ``base_url``: a community's host served by a local server (plain http only,
-        since a certificate would be checked against the address)."""
+        since a certificate would be checked against the address).
+
+        ``community_host`` is the community's host when ``base_url`` is an origin
+        shared by many communities (the server's ``WORKFLOW_DELIVERY_API_ORIGIN``):
+        it is sent as the Host header. Every request signs the community's host
+        (this one, else ``base_url``'s) in a ``host`` tag, so the server serves it
+        to that community only."""
         parts = urlsplit(base_url)
         if parts.scheme not in ("http", "https") or not parts.netloc:
             raise ProtocolError("base_url", f"must be an absolute http(s) URL, not {base_url!r}")
@@ -93,6 +105,12 @@ class AgentClient:
         self.connect_to = connect_to
         self.base_url = base_url if base_url.endswith("/") else base_url + "/"
         self._parts = urlsplit(self.base_url)
+        if community_host is not None and not (
+            isinstance(community_host, str) and community_host and "/" not in community_host
+        ):
+            raise ProtocolError("community_host", f"must be a host name, not {community_host!r}")
+        self._host_header = community_host or self._parts.netloc
+        self.community_host = community_host or (self._parts.hostname or "")
         self._secret = _secret(secret_key)
         self.pubkey = nip98.public_key(self._secret)
         self.timeout = timeout
@@ -140,9 +158,12 @@ class AgentClient:
         """Send one signed request; the status and the JSON answer (None when empty)."""
         url = self.base_url + path + (f"?{urlencode(query)}" if query else "")
         body = b"" if document is None else json.dumps(document, separators=(",", ":")).encode()
+        authorization = nip98.sign_request(
+            self._secret, url=url, method=method, body=body, host=self.community_host
+        )
         headers = {
-            "Host": self._parts.netloc,
-            "Authorization": nip98.sign_request(self._secret, url=url, method=method, body=body),
+            "Host": self._host_header,
+            "Authorization": authorization,
             "Accept": "application/json",
         }
         if body:
@@ -164,7 +185,14 @@ class AgentClient:
         self._used_at = time.monotonic()
         if response.will_close:
             self.close()
-        return response.status, (json.loads(raw) if raw else None)
+        if not raw:
+            return response.status, None
+        try:
+            return response.status, json.loads(raw)
+        except ValueError:
+            # Not the API's answer (a proxy's page, Django's ALLOWED_HOSTS refusal).
+            quoted = raw[:_QUOTED_CHARS].decode("utf-8", "replace")
+            raise AgentApiError(response.status, "not_json", quoted) from None
 
     @staticmethod
     def _refusal(status: int, document: dict | None) -> AgentApiError:
@@ -179,9 +207,10 @@ class AgentClient:
         lease_seconds: int | None = None,
         delivery_id: UUID | str | None = None,
         expected: DeliveryBinding | None = None,
-    ) -> tuple[Lease, DeliveryRecord] | None:
+    ) -> Claimed | None:
         """Claim this agent's oldest pending delivery (or exactly ``delivery_id``, or only
-        one bound as ``expected``); None on a miss."""
+        one bound as ``expected``); None on a miss. The answer unpacks as ``(lease,
+        record)`` and carries the message in ``.message``."""
         document: dict[str, object] = {}
         if lease_seconds is not None:
             document["lease_seconds"] = lease_seconds
@@ -194,7 +223,54 @@ class AgentClient:
             return None
         if status != 200:
             raise self._refusal(status, answer)
-        return documents.parse_lease(answer["lease"]), documents.parse_delivery(answer["delivery"])
+        return self._claimed(answer)
+
+    @staticmethod
+    def _claimed(document: dict) -> Claimed:
+        delivery = document["delivery"]
+        return Claimed(
+            lease=documents.parse_lease(document["lease"]),
+            record=documents.parse_delivery(delivery),
+            message=documents.parse_message(delivery.get("message")),
+        )
+
+    def claim_many(self, limit: int, *, lease_seconds: int | None = None) -> list[Claimed]:
+        """Claim up to ``limit`` of this agent's oldest pending deliveries (oldest
+        first), each under its own lease; [] on a miss."""
+        document: dict[str, object] = {"limit": limit}
+        if lease_seconds is not None:
+            document["lease_seconds"] = lease_seconds
+        status, answer = self.request("POST", "v1/claim/batch", document)
+        if status != 200:
+            raise self._refusal(status, answer)
+        return [self._claimed(item) for item in answer["claimed"]]
+
+    def finish_many(
+        self, settlements: list[tuple[Lease, Outcome | str]]
+    ) -> list[Settled | AlreadyTerminal | LeaseLost]:
+        """Settle many leases in one request; one result per pair, in order."""
+        document = {
+            "settlements": [
+                {
+                    "delivery_id": str(lease.delivery_id),
+                    "generation": lease.generation,
+                    "outcome": Outcome(outcome).value,
+                }
+                for lease, outcome in settlements
+            ]
+        }
+        status, answer = self.request("POST", "v1/finish/batch", document)
+        if status != 200:
+            raise self._refusal(status, answer)
+        return [self._settlement(item) for item in answer["results"]]
+
+    @staticmethod
+    def _settlement(document: dict) -> Settled | AlreadyTerminal | LeaseLost:
+        if document["result"] == "lease_lost":
+            return LeaseLost()
+        if document["result"] == "already_terminal":
+            return AlreadyTerminal(status=DeliveryStatus(document["status"]))
+        return Settled(outcome=Outcome(document["outcome"]))
 
     def _lease_lost(self, status: int, answer: dict | None) -> bool:
         return status == 409 and (answer or {}).get("error") == "lease_lost"
@@ -217,18 +293,26 @@ class AgentClient:
             return LeaseLost()
         if status != 200:
             raise self._refusal(status, answer)
-        if answer["result"] == "already_terminal":
-            return AlreadyTerminal(status=DeliveryStatus(answer["status"]))
-        return Settled(outcome=Outcome(answer["outcome"]))
+        return self._settlement(answer)
 
-    def get(self, delivery_id: UUID | str) -> DeliveryRecord | None:
-        """One of this agent's deliveries; None when missing or someone else's."""
+    def _read(self, delivery_id: UUID | str) -> dict | None:
         status, answer = self.request("GET", f"v1/deliveries/{delivery_id}")
         if status == 404 and (answer or {}).get("error") == "not_found":
             return None
         if status != 200:
             raise self._refusal(status, answer)
-        return documents.parse_delivery(answer)
+        return answer
+
+    def get(self, delivery_id: UUID | str) -> DeliveryRecord | None:
+        """One of this agent's deliveries; None when missing or someone else's."""
+        answer = self._read(delivery_id)
+        return None if answer is None else documents.parse_delivery(answer)
+
+    def message(self, delivery_id: UUID | str) -> MessageEvent | None:
+        """The message one of this agent's deliveries carries; None when the
+        delivery is missing or someone else's."""
+        answer = self._read(delivery_id)
+        return None if answer is None else documents.parse_message(answer.get("message"))
 
     def wait(self, timeout: int = 30) -> WakeHint | None:
         """Block until a delivery for this agent is committed (a hint to claim now), or

@@ -11,7 +11,8 @@ from __future__ import annotations
 import _thread
 import logging
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from datetime import UTC, datetime, timedelta
 from typing import Any, NoReturn
 from uuid import UUID
@@ -160,7 +161,7 @@ class _Scope:
     def __enter__(self) -> Any:
         wrapper = self._wrapper = connections[self._using]
         self._atomic = None
-        if self._savepoint and wrapper.in_atomic_block:
+        if self._savepoint and wrapper.in_atomic_block and _BARE not in wrapper.__dict__:
             # Each statement is atomic on its own in autocommit; inside a caller's
             # transaction a savepoint keeps a refused statement from aborting the
             # caller's work.
@@ -244,6 +245,8 @@ class _Scope:
                 final = mapped
         except BaseException as other:  # noqa: BLE001 - re-raised below
             final = other
+        if final is not None and _BARE in self._wrapper.__dict__:
+            self._wrapper.__dict__[_BARE] = True
         # The savepoint ends with the error the caller will see (rolled back) or none.
         self._leave_atomic(final)
         if final is not exc:
@@ -265,6 +268,38 @@ class _Scope:
                 atomic.__exit__(None, None, None)
             else:
                 atomic.__exit__(type(exc), exc, exc.__traceback__)
+
+
+# Set on a wrapper inside ``one_transaction``: False, or True once a statement failed.
+_BARE = "_workflow_delivery_one_transaction"
+
+
+class TransactionAborted(DatabaseError):
+    """A statement failed inside ``one_transaction`` and the caller went on as if
+    it had not: the transaction cannot commit."""
+
+
+@contextmanager
+def one_transaction(using: str) -> Iterator[None]:
+    """A transaction in which the app's statements take no savepoint each: for a
+    caller that rolls all of it back on any refusal (``transaction.set_rollback``),
+    such as one request of the agent API. Each savepoint would cost two round trips.
+    A statement that fails leaves the transaction aborted; if the caller then
+    carries on to commit, ``TransactionAborted`` is raised and nothing commits."""
+    wrapper = connections[using]
+    if _BARE in wrapper.__dict__:
+        yield
+        return
+    # The caller's statements and its replay-guard row commit together or not at all.
+    with transaction.atomic(using=using):
+        wrapper.__dict__[_BARE] = False
+        try:
+            yield
+            failed = wrapper.__dict__[_BARE] and not transaction.get_rollback(using=using)
+        finally:
+            del wrapper.__dict__[_BARE]
+        if failed:
+            raise TransactionAborted("a statement failed in a transaction that went on to commit")
 
 
 def cursor(using: str, *, savepoint: bool = True) -> _Scope:

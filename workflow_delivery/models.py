@@ -414,7 +414,8 @@ class DeliveryTransition(models.Model):
 
 class AgentRequestReplay(models.Model):
     """A signed agent request already accepted: its event id, kept while the event
-    could still pass the freshness window, so the same event is served only once."""
+    could still pass the freshness window, so the same event is served only once,
+    in whichever community it reached first and in no other."""
 
     id = models.BigAutoField(primary_key=True)
     community = _tenant_fk(Community, related_name="+")
@@ -425,7 +426,7 @@ class AgentRequestReplay(models.Model):
     class Meta:
         db_table = "agent_request_replays"
         constraints = [
-            models.UniqueConstraint(fields=["community", "event_id"], name="wd_replay_event_key"),
+            models.UniqueConstraint(fields=["event_id"], name="wd_replay_event_once"),
             _bytes32("event_id", "wd_replay_event_id_32_bytes"),
         ]
         indexes = [models.Index(fields=["event_created_at"], name="wd_replay_prune_idx")]

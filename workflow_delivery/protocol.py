@@ -25,6 +25,7 @@ __all__ = [
     "AlreadyTerminal",
     "Cause",
     "CauseKind",
+    "Claimed",
     "DeliveryBinding",
     "DeliveryRecord",
     "DeliveryStatus",
@@ -32,12 +33,14 @@ __all__ = [
     "FinishResult",
     "Lease",
     "LeaseLost",
+    "MessageEvent",
     "NewDelivery",
     "Outcome",
     "ProtocolError",
     "Reaped",
     "RenewResult",
     "Renewed",
+    "RequestAdmission",
     "ScheduleCause",
     "Settled",
     "Tags",
@@ -319,6 +322,42 @@ class DeliveryRecord:
     finished_at: datetime | None
     created_at: datetime
     message_event_created_at: datetime
+
+
+@dataclass(frozen=True, slots=True)
+class MessageEvent:
+    """The visible message a delivery carries to its target, as stored."""
+
+    id: bytes
+    pubkey: bytes
+    created_at: datetime
+    kind: int
+    tags: Tags
+    content: str
+
+
+@dataclass(frozen=True, slots=True)
+class Claimed:
+    """A claim as the agent API answers it: the lease, the record and the message.
+    Unpacks as ``(lease, record)``, the pair ``claim_delivery`` returns."""
+
+    lease: Lease
+    record: DeliveryRecord
+    message: MessageEvent | None
+
+    def __iter__(self):
+        return iter((self.lease, self.record))
+
+
+@dataclass(frozen=True, slots=True)
+class RequestAdmission:
+    """A signed request checked against the database: the community its host names
+    (None when none), whether its ``created_at`` is fresh, and whether its event id
+    was recorded now (False when it was already used, in any community)."""
+
+    community_id: UUID | None
+    fresh: bool
+    recorded: bool
 
 
 @dataclass(frozen=True, slots=True)

@@ -34,7 +34,7 @@ from .exceptions import (
     ProtocolError,
     StepIdentityClosed,
 )
-from .models import WorkflowAgentDelivery
+from .models import Event, WorkflowAgentDelivery
 from .protocol import (
     AlreadyTerminal,
     DeliveryBinding,
@@ -42,10 +42,12 @@ from .protocol import (
     DeliveryStatus,
     Lease,
     LeaseLost,
+    MessageEvent,
     NewDelivery,
     Outcome,
     Reaped,
     Renewed,
+    RequestAdmission,
     Settled,
     as_bytes32,
     as_datetime,
@@ -60,6 +62,7 @@ __all__ = [
     "MAX_BATCH_SIZE",
     "Held",
     "StepIdentity",
+    "admit_request_event",
     "claim_deliveries",
     "claim_delivery",
     "commit_deliveries",
@@ -70,6 +73,7 @@ __all__ = [
     "finish_delivery",
     "get_delivery",
     "holding",
+    "message_events",
     "prune_cutoff",
     "prune_deliveries",
     "prune_replay_guard",
@@ -875,18 +879,71 @@ def record_request_event(
     using: str = DEFAULT_DB_ALIAS,
 ) -> tuple[bool, bool]:
     """The agent API's freshness check and replay guard for one signed request event,
-    by the database clock: ``(fresh, recorded)``. A fresh event is recorded once per
-    community; ``recorded`` is False when the same event was already accepted, even
-    by another process at the same instant. A fenced community raises
-    ``CommunityWriteFenced`` (the guard is a tenant table behind the write fence)."""
+    by the database clock: ``(fresh, recorded)``. A fresh event is recorded once,
+    whatever the community; ``recorded`` is False when the same event was already
+    accepted, even by another process at the same instant or for another community.
+    A fenced community raises ``CommunityWriteFenced`` (the guard is a tenant table
+    behind the write fence)."""
     community_id = as_uuid("community_id", community_id)
-    event_id = as_bytes32("event_id", event_id)
-    if not is_whole_number(created_at) or not 0 <= created_at < 2**40:
-        raise ProtocolError("created_at", f"must be a whole number of seconds, not {created_at!r}")
+    event_id, created_at = _request_event(event_id, created_at)
     skew = app_settings.API_MAX_CLOCK_SKEW_SECONDS
     params = [created_at, skew, community_id, event_id, created_at]
     ((fresh, recorded),) = db.fetch(using, sql.ACCEPT_REQUEST_EVENT, params)
     return bool(fresh), bool(recorded)
+
+
+def _request_event(event_id: bytes, created_at: int) -> tuple[bytes, int]:
+    event_id = as_bytes32("event_id", event_id)
+    if not is_whole_number(created_at) or not 0 <= created_at < 2**40:
+        raise ProtocolError("created_at", f"must be a whole number of seconds, not {created_at!r}")
+    return event_id, created_at
+
+
+def admit_request_event(
+    host: str, event_id: bytes, created_at: int, *, using: str = DEFAULT_DB_ALIAS
+) -> RequestAdmission:
+    """The agent API's look-up of the community served at ``host`` (any case), with
+    the freshness check and the replay guard of ``record_request_event``, in one
+    statement. In the caller's transaction the replay row commits or rolls back with
+    the caller's work; an unknown host records nothing."""
+    if not isinstance(host, str) or not host:
+        raise ProtocolError("host", f"must be a host name, not {host!r}")
+    event_id, created_at = _request_event(event_id, created_at)
+    skew = app_settings.API_MAX_CLOCK_SKEW_SECONDS
+    params = [created_at, skew, host, event_id, created_at]
+    ((community_id, fresh, recorded),) = db.fetch(
+        using, sql.ADMIT_REQUEST_EVENT, params, savepoint=False
+    )
+    return RequestAdmission(community_id=community_id, fresh=bool(fresh), recorded=bool(recorded))
+
+
+def message_events(
+    community_id: UUID | str, records: Iterable[DeliveryRecord], *, using: str = DEFAULT_DB_ALIAS
+) -> dict[UUID, MessageEvent]:
+    """The message event of each record (by delivery id), read in one query."""
+    community_id = as_uuid("community_id", community_id)
+    wanted = {
+        (record.message_event_created_at, record.binding.message_event_id): record.id
+        for record in records
+    }
+    if not wanted:
+        return {}
+    ids = [event_id for _, event_id in wanted]
+    rows = Event.objects.using(using).filter(community_id=community_id, id__in=ids)
+    found: dict[UUID, MessageEvent] = {}
+    for row in rows.values_list("id", "created_at", "pubkey", "kind", "tags", "content"):
+        event_id, created_at, pubkey, kind, tags, content = row
+        delivery_id = wanted.get((created_at, bytes(event_id)))
+        if delivery_id is not None:
+            found[delivery_id] = MessageEvent(
+                id=bytes(event_id),
+                pubkey=bytes(pubkey),
+                created_at=created_at,
+                kind=kind,
+                tags=tags,
+                content=content,
+            )
+    return found
 
 
 def prune_replay_guard(

@@ -577,18 +577,37 @@ SELECT minutes.m, count(t.id)
 
 # The agent API's freshness check and replay guard in one statement, both by the
 # database clock: a fresh event's id is recorded, and ON CONFLICT makes a second
-# arrival of the same event (from any process, at the same instant) insert nothing.
-# Answers (fresh, recorded).
+# arrival of the same event (from any process, at the same instant, for any
+# community) insert nothing. Answers (fresh, recorded).
 ACCEPT_REQUEST_EVENT = f"""
 WITH clock AS (
     SELECT abs(extract(epoch FROM now()) - %s::bigint) <= %s::bigint AS fresh
 ), recorded AS (
     INSERT INTO {REPLAYS} (community_id, event_id, event_created_at)
     SELECT %s::uuid, %s::bytea, to_timestamp(%s::bigint) FROM clock WHERE clock.fresh
-    ON CONFLICT ON CONSTRAINT wd_replay_event_key DO NOTHING
+    ON CONFLICT ON CONSTRAINT wd_replay_event_once DO NOTHING
     RETURNING 1
 )
 SELECT clock.fresh, EXISTS (SELECT 1 FROM recorded) FROM clock
+"""
+
+# The same for a request named by its Host: the community whose host it is (any
+# case, by wd_community_host_ci_key), the freshness and the replay guard, in one
+# round trip. Answers (community id or NULL, fresh, recorded); an unknown host
+# records nothing.
+ADMIT_REQUEST_EVENT = f"""
+WITH clock AS (
+    SELECT abs(extract(epoch FROM now()) - %s::bigint) <= %s::bigint AS fresh
+), community AS (
+    SELECT id FROM {COMMUNITIES} WHERE lower(host) = lower(%s::text)
+), recorded AS (
+    INSERT INTO {REPLAYS} (community_id, event_id, event_created_at)
+    SELECT community.id, %s::bytea, to_timestamp(%s::bigint)
+      FROM community, clock WHERE clock.fresh
+    ON CONFLICT ON CONSTRAINT wd_replay_event_once DO NOTHING
+    RETURNING 1
+)
+SELECT (SELECT id FROM community), clock.fresh, EXISTS (SELECT 1 FROM recorded) FROM clock
 """
 
 # One bounded batch of replay-guard pruning across communities: only rows whose

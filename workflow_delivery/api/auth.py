@@ -11,7 +11,6 @@ from dataclasses import dataclass
 from uuid import UUID
 
 from django.db import DEFAULT_DB_ALIAS, connections
-from django.db.models.functions import Lower
 from django.http import HttpRequest
 from django.http.request import split_domain_port
 from ninja.security import APIKeyHeader
@@ -19,7 +18,6 @@ from ninja.security import APIKeyHeader
 from .. import services
 from ..conf import app_settings
 from ..exceptions import AgentAuthRefused
-from ..models import Community
 from . import nip98
 
 logger = logging.getLogger(__name__)
@@ -45,18 +43,10 @@ class Caller:
     event_id: bytes
 
 
-def community_for(request: HttpRequest) -> UUID:
-    """The community whose host is the request's Host (port aside, any case)."""
+def request_host(request: HttpRequest) -> str:
+    """The domain of the request's Host (no port): the community it is for."""
     domain, _port = split_domain_port(request.get_host())
-    community_id = (
-        Community.objects.annotate(host_ci=Lower("host"))
-        .filter(host_ci=domain.lower())
-        .values_list("id", flat=True)
-        .first()
-    )
-    if community_id is None:
-        raise ApiError(404, "unknown_community", f"no community is served at host {domain!r}")
-    return community_id
+    return domain
 
 
 def request_body(request: HttpRequest) -> bytes:
@@ -83,30 +73,44 @@ def served_url(request: HttpRequest) -> str:
 
 
 def authenticate(request: HttpRequest) -> Caller:
-    community_id = community_for(request)
+    """The caller of a signed request, or a refusal. Called inside the request's
+    transaction (``views.in_one_transaction``), so the replay row it records
+    commits with the operation or not at all."""
+    host = request_host(request)
     body = request_body(request)
     event = nip98.parse_authorization(request.headers.get("Authorization"))
     nip98.check_request(event, url=served_url(request), method=request.method or "", body=body)
+    # Behind a shared origin the signed URL names no community: the event must.
+    nip98.check_host(event, host, required=bool(app_settings.API_ORIGIN))
     pubkey = nip98.verify_event(event)
-    fresh, recorded = services.record_request_event(community_id, event.id, event.created_at)
-    if not fresh:
+    community_id = admit(host, event)
+    return Caller(community_id=community_id, pubkey=pubkey, event_id=event.id)
+
+
+def admit(host: str, event: nip98.SignedEvent) -> UUID:
+    """The community served at ``host``, once the event is fresh and used for the
+    first time anywhere (one statement: the look-up, the clock, the replay guard)."""
+    admission = services.admit_request_event(host, event.id, event.created_at)
+    if admission.community_id is None:
+        raise ApiError(404, "unknown_community", f"no community is served at host {host!r}")
+    if not admission.fresh:
         skew = app_settings.API_MAX_CLOCK_SKEW_SECONDS
         raise AgentAuthRefused(
             "auth_stale", f"created_at must be within {skew} s of the server's clock"
         )
-    if not recorded:
+    if not admission.recorded:
         raise AgentAuthRefused("auth_replay", "this signed request was already used")
-    _prune_now_and_then()
-    return Caller(community_id=community_id, pubkey=pubkey, event_id=event.id)
+    return admission.community_id
 
 
 _prune_lock = threading.Lock()
 _pruned_at = time.monotonic()
 
 
-def _prune_now_and_then() -> None:
+def prune_now_and_then() -> None:
     """Prune the replay guard from the request path at most once per interval per
-    process, a bounded amount each time; the reaper's loop may also call it."""
+    process, a bounded amount each time, outside the request's transaction; the
+    reaper's loop may also call it."""
     global _pruned_at
     interval = app_settings.API_REPLAY_PRUNE_INTERVAL_SECONDS
     if time.monotonic() - _pruned_at < interval or not _prune_lock.acquire(blocking=False):
@@ -149,6 +153,9 @@ class NostrWaitAuth(NostrAuth):
     def authenticate(self, request: HttpRequest, key: str | None) -> Caller:
         with wait_gate:
             try:
-                return authenticate(request)
+                # In autocommit: the wait holds no transaction while it waits.
+                caller = authenticate(request)
+                prune_now_and_then()
+                return caller
             finally:
                 release_connection()

@@ -18,6 +18,7 @@ from ..protocol import (
     DeliveryStatus,
     EventCause,
     Lease,
+    MessageEvent,
     ScheduleCause,
     WebhookCause,
 )
@@ -28,9 +29,11 @@ __all__ = [
     "delivery_document",
     "instant",
     "lease_document",
+    "message_document",
     "parse_delivery",
     "parse_instant",
     "parse_lease",
+    "parse_message",
 ]
 
 
@@ -78,7 +81,10 @@ def binding_document(binding: DeliveryBinding) -> dict[str, object]:
     }
 
 
-def delivery_document(record: DeliveryRecord) -> dict[str, object]:
+def delivery_document(
+    record: DeliveryRecord, *, message: MessageEvent | None = None
+) -> dict[str, object]:
+    """The record as the API answers it; ``message``, for its target, as well."""
     document = {"id": str(record.id), **binding_document(record.binding)}
     document.update(
         message_event_created_at=instant(record.message_event_created_at),
@@ -89,7 +95,33 @@ def delivery_document(record: DeliveryRecord) -> dict[str, object]:
         finished_at=instant(record.finished_at),
         created_at=instant(record.created_at),
     )
+    if message is not None:
+        document["message"] = message_document(message)
     return document
+
+
+def message_document(message: MessageEvent) -> dict[str, object]:
+    return {
+        "id": message.id.hex(),
+        "pubkey": message.pubkey.hex(),
+        "created_at": instant(message.created_at),
+        "kind": message.kind,
+        "tags": message.tags,
+        "content": message.content,
+    }
+
+
+def parse_message(document: dict | None) -> MessageEvent | None:
+    if document is None:
+        return None
+    return MessageEvent(
+        id=bytes.fromhex(document["id"]),
+        pubkey=bytes.fromhex(document["pubkey"]),
+        created_at=parse_instant(document["created_at"]),
+        kind=document["kind"],
+        tags=document["tags"],
+        content=document["content"],
+    )
 
 
 def parse_delivery(document: dict) -> DeliveryRecord:

@@ -25,6 +25,7 @@ __all__ = [
     "HTTP_AUTH_KIND",
     "SCHEME",
     "SignedEvent",
+    "check_host",
     "check_request",
     "event_id",
     "parse_authorization",
@@ -93,7 +94,8 @@ def parse_authorization(header: str | None) -> SignedEvent:
         raise _malformed("the Authorization event is too large")
     try:
         document = json.loads(base64.b64decode(encoded.strip(), validate=True))
-    except (binascii.Error, ValueError) as exc:
+    except (binascii.Error, ValueError, RecursionError) as exc:
+        # RecursionError: JSON nested deeper than the parser's stack, never an event.
         raise _malformed("the Authorization value must be base64 of a JSON event") from exc
     if not isinstance(document, dict):
         raise _malformed("the Authorization event must be a JSON object")
@@ -147,6 +149,20 @@ def verify_event(event: SignedEvent) -> bytes:
     return event.pubkey
 
 
+def check_host(event: SignedEvent, host: str, *, required: bool) -> None:
+    """The event's binding to one community: its ``host`` tag, when it has one (or
+    must have one), names ``host`` (any case, no port)."""
+    signed_host = event.tag("host")
+    if signed_host is None:
+        if required:
+            raise AgentAuthRefused(
+                "auth_host_missing", "behind a shared origin the event must sign a 'host' tag"
+            )
+        return
+    if signed_host.strip("[]").lower() != host.strip("[]").lower():
+        raise AgentAuthRefused("auth_host_mismatch", f"the 'host' tag must be {host}")
+
+
 def check_request(event: SignedEvent, *, url: str, method: str, body: bytes) -> None:
     """The NIP-98 binding of the event to this request: kind, exact URL, method, and
     the body's sha256 (required whenever there is a body)."""
@@ -183,15 +199,19 @@ def sign_request(
     created_at: int | None = None,
     kind: int = HTTP_AUTH_KIND,
     tags: list[list[str]] | None = None,
+    host: str | None = None,
 ) -> str:
     """The ``Authorization`` value for one request: a fresh NIP-98 event signed by
-    ``secret_key`` (``tags`` replaces the derived ones, for tests of refusals)."""
+    ``secret_key``, naming the community's ``host`` in a ``host`` tag when given
+    (``tags`` replaces the derived ones, for tests of refusals)."""
     pubkey = public_key(secret_key)
     stamp = int(time.time()) if created_at is None else created_at
     if tags is None:
         tags = [["u", url], ["method", method]]
         if body:
             tags.append(["payload", hashlib.sha256(body).hexdigest()])
+        if host is not None:
+            tags.append(["host", host])
     # A random nonce tag keeps two requests signed in the same second distinct events.
     tags = [*tags, ["nonce", os.urandom(8).hex()]]
     digest = event_id(pubkey, stamp, kind, tags, "")

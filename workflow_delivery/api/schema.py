@@ -121,6 +121,34 @@ CauseOut = Annotated[
 ]
 
 
+# The most deliveries one batch request claims or settles.
+API_BATCH_MAX = 100
+
+
+class ClaimBatchIn(_Strict):
+    limit: Annotated[StrictInt, Field(ge=1, le=API_BATCH_MAX)]
+    lease_seconds: LeaseSeconds | None = None
+
+
+class SettlementIn(_Strict):
+    delivery_id: Uuid
+    generation: Generation
+    outcome: Literal["finished", "failed"]
+
+
+class FinishBatchIn(_Strict):
+    settlements: Annotated[list[SettlementIn], Field(min_length=1, max_length=API_BATCH_MAX)]
+
+
+class MessageOut(Schema):
+    id: Hex32
+    pubkey: Hex32
+    created_at: Instant
+    kind: int
+    tags: list[list[str]]
+    content: str
+
+
 class DeliveryOut(Schema):
     id: Uuid
     community_id: Uuid
@@ -138,6 +166,9 @@ class DeliveryOut(Schema):
     claimed_at: Instant | None
     finished_at: Instant | None
     created_at: Instant
+    message: MessageOut | None = Field(
+        None, description="the message event, answered to the delivery's target only"
+    )
 
 
 class LeaseOut(Schema):
@@ -151,6 +182,10 @@ class LeaseOut(Schema):
 class ClaimOut(Schema):
     lease: LeaseOut
     delivery: DeliveryOut
+
+
+class ClaimBatchOut(Schema):
+    claimed: list[ClaimOut]
 
 
 class RenewOut(Schema):
@@ -168,6 +203,17 @@ class AlreadyTerminalOut(Schema):
 
 
 FinishOut = Annotated[SettledOut | AlreadyTerminalOut, Field(discriminator="result")]
+
+
+class SettlementOut(Schema):
+    delivery_id: Uuid
+    result: Literal["settled", "already_terminal", "lease_lost"]
+    outcome: Literal["finished", "failed"] | None = None
+    status: Literal["finished", "failed"] | None = None
+
+
+class FinishBatchOut(Schema):
+    results: list[SettlementOut]
 
 
 class WakeOut(Schema):

@@ -8,21 +8,42 @@ stable code. The OpenAPI 3 document is derived from these views by django-ninja.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from datetime import UTC, datetime
+from functools import wraps
 from uuid import UUID
 
 from asgiref.sync import sync_to_async
+from django.db import DEFAULT_DB_ALIAS, transaction
 from django.http import Http404, HttpRequest, HttpResponse
 from ninja import NinjaAPI, Query, Status
+from ninja.decorators import decorate_view
 from ninja.errors import AuthenticationError, HttpError, ValidationError
 
-from .. import services
+from .. import db, services
 from ..conf import app_settings
 from ..exceptions import AgentAuthRefused, CommunityWriteFenced, ProtocolError
 from ..models import WorkflowAgentDelivery
-from ..protocol import AlreadyTerminal, Lease, LeaseLost, Renewed, as_uuid
+from ..protocol import (
+    AlreadyTerminal,
+    DeliveryRecord,
+    Lease,
+    LeaseLost,
+    MessageEvent,
+    Renewed,
+    Settled,
+    as_uuid,
+)
 from . import documents, schema
-from .auth import ApiError, Caller, NostrAuth, NostrWaitAuth, release_connection, wait_gate
+from .auth import (
+    ApiError,
+    Caller,
+    NostrAuth,
+    NostrWaitAuth,
+    prune_now_and_then,
+    release_connection,
+    wait_gate,
+)
 from .wake import hub
 
 api = NinjaAPI(
@@ -97,6 +118,25 @@ def _not_found(request: HttpRequest, exc: Http404) -> HttpResponse:
     return error(request, 404, "not_found", "no such delivery for this agent")
 
 
+def in_one_transaction(run: Callable[..., HttpResponse]) -> Callable[..., HttpResponse]:
+    """Authentication and operation in one transaction: the Host's community, the
+    replay-guard row and the operation commit together, once. Any refusal (an
+    answer of 400 or more) rolls it all back, so the event of a refused request is
+    not kept and an honest retry is judged afresh; a replay of an accepted event
+    waits on its row and is refused."""
+
+    @wraps(run)
+    def answer(request: HttpRequest, *args: object, **kwargs: object) -> HttpResponse:
+        with db.one_transaction(DEFAULT_DB_ALIAS):
+            response = run(request, *args, **kwargs)
+            if response.status_code >= 400:
+                transaction.set_rollback(True)
+        prune_now_and_then()
+        return response
+
+    return answer
+
+
 def _lease_lost(request: HttpRequest) -> HttpResponse:
     return error(
         request, 409, "lease_lost", "the lease is expired, reaped, superseded or not yours"
@@ -125,11 +165,21 @@ def _lease(caller: Caller, delivery_id: str, generation: int) -> Lease:
     )
 
 
+def _claimed(
+    lease: Lease, record: DeliveryRecord, message: MessageEvent | None
+) -> dict[str, object]:
+    return {
+        "lease": documents.lease_document(lease),
+        "delivery": documents.delivery_document(record, message=message),
+    }
+
+
 @api.post(
     "v1/claim",
     response={200: schema.ClaimOut, 204: None, **ERRORS},
     summary="Claim the caller's oldest pending delivery (or the one named)",
 )
+@decorate_view(in_one_transaction)
 def claim(request: HttpRequest, payload: schema.ClaimIn | None = None):
     caller = _caller(request)
     payload = payload or schema.ClaimIn()
@@ -143,13 +193,27 @@ def claim(request: HttpRequest, payload: schema.ClaimIn | None = None):
     if claimed is None:
         return Status(204, None)
     lease, record = claimed
-    return Status(
-        200,
-        {
-            "lease": documents.lease_document(lease),
-            "delivery": documents.delivery_document(record),
-        },
+    messages = services.message_events(caller.community_id, [record])
+    return Status(200, _claimed(lease, record, messages.get(record.id)))
+
+
+@api.post(
+    "v1/claim/batch",
+    response={200: schema.ClaimBatchOut, **ERRORS},
+    summary="Claim up to `limit` of the caller's oldest pending deliveries",
+)
+@decorate_view(in_one_transaction)
+def claim_batch(request: HttpRequest, payload: schema.ClaimBatchIn):
+    caller = _caller(request)
+    claimed = services.claim_deliveries(
+        caller.community_id,
+        caller.pubkey,
+        limit=payload.limit,
+        lease_seconds=payload.lease_seconds,
     )
+    messages = services.message_events(caller.community_id, [record for _, record in claimed])
+    documents_ = [_claimed(lease, record, messages.get(record.id)) for lease, record in claimed]
+    return Status(200, {"claimed": documents_})
 
 
 @api.post(
@@ -157,6 +221,7 @@ def claim(request: HttpRequest, payload: schema.ClaimIn | None = None):
     response={200: schema.RenewOut, **ERRORS},
     summary="Extend a live lease",
 )
+@decorate_view(in_one_transaction)
 def renew(request: HttpRequest, delivery_id: schema.Uuid, payload: schema.RenewIn):
     lease = _lease(_caller(request), delivery_id, payload.generation)
     result = services.renew_delivery(lease, lease_seconds=payload.lease_seconds)
@@ -165,33 +230,63 @@ def renew(request: HttpRequest, delivery_id: schema.Uuid, payload: schema.RenewI
     return _lease_lost(request)
 
 
+def _finish_document(result: Settled | AlreadyTerminal) -> dict[str, str]:
+    if isinstance(result, AlreadyTerminal):
+        return {"result": "already_terminal", "status": result.status.value}
+    return {"result": "settled", "outcome": result.outcome.value}
+
+
 @api.post(
     "v1/deliveries/{delivery_id}/finish",
     response={200: schema.FinishOut, **ERRORS},
     summary="Settle a claimed delivery once",
 )
+@decorate_view(in_one_transaction)
 def finish(request: HttpRequest, delivery_id: schema.Uuid, payload: schema.FinishIn):
     lease = _lease(_caller(request), delivery_id, payload.generation)
     result = services.finish_delivery(lease, payload.outcome)
     if isinstance(result, LeaseLost):
         return _lease_lost(request)
-    if isinstance(result, AlreadyTerminal):
-        return Status(200, {"result": "already_terminal", "status": result.status.value})
-    return Status(200, {"result": "settled", "outcome": result.outcome.value})
+    return Status(200, _finish_document(result))
+
+
+@api.post(
+    "v1/finish/batch",
+    response={200: schema.FinishBatchOut, **ERRORS},
+    summary="Settle many claimed deliveries; one result per settlement, in order",
+)
+@decorate_view(in_one_transaction)
+def finish_batch(request: HttpRequest, payload: schema.FinishBatchIn):
+    caller = _caller(request)
+    pairs = [
+        (_lease(caller, item.delivery_id, item.generation), item.outcome)
+        for item in payload.settlements
+    ]
+    results = []
+    for (lease, _), result in zip(pairs, services.finish_deliveries(pairs), strict=True):
+        document: dict[str, str] = {"delivery_id": str(lease.delivery_id)}
+        if isinstance(result, LeaseLost):
+            document["result"] = "lease_lost"
+        else:
+            document |= _finish_document(result)
+        results.append(document)
+    return Status(200, {"results": results})
 
 
 @api.get(
     "v1/deliveries/{delivery_id}",
     response={200: schema.DeliveryOut, **ERRORS},
-    summary="Read one of the caller's deliveries",
+    summary="Read one of the caller's deliveries, with its message",
 )
+@decorate_view(in_one_transaction)
 def get(request: HttpRequest, delivery_id: schema.Uuid):
     caller = _caller(request)
     record = services.get_delivery(caller.community_id, _delivery_id(delivery_id))
     if record is None or record.binding.target_pubkey != caller.pubkey:
         # Another agent's delivery answers exactly as a missing one.
         raise Http404
-    return Status(200, documents.delivery_document(record))
+    message = services.message_events(caller.community_id, [record]).get(record.id)
+    return Status(200, documents.delivery_document(record, message=message))
 
 
 def _prepare_wait(caller: Caller) -> UUID | None:

@@ -1,0 +1,63 @@
+"""AgentClient against a real server (pytest-django's live server): an answer that
+is not the API's JSON, the message it returns, the batch calls."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests import factories
+from tests.agent_http import pubkey, secret
+from workflow_delivery.client import AgentClient
+from workflow_delivery.exceptions import AgentApiError
+from workflow_delivery.protocol import AlreadyTerminal, LeaseLost, Outcome, Settled
+
+# The live server runs in another thread: the rows must be committed.
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+def _client(live_server, host: str, key: bytes) -> AgentClient:
+    port = int(live_server.url.rsplit(":", 1)[1])
+    return AgentClient(
+        f"http://{host}:{port}/agents/", key, connect_to=("127.0.0.1", port), timeout=10
+    )
+
+
+def test_an_answer_that_is_not_json_is_an_agent_api_error(live_server, settings):
+    settings.ALLOWED_HOSTS = ["only.example"]
+    with (
+        _client(live_server, "refused.example", secret()) as client,
+        pytest.raises(AgentApiError) as caught,
+    ):
+        client.claim()
+    assert caught.value.status == 400
+    assert caught.value.code == "not_json"
+    assert "Bad Request" in caught.value.detail and len(caught.value.detail) <= 200
+
+
+def test_the_client_returns_the_message_and_settles_in_batches(live_server, settings):
+    settings.ALLOWED_HOSTS = ["*"]
+    key = secret()
+    owner = factories.community()
+    steps = [factories.Step(owner=owner, targets=[pubkey(key)], step_id=f"s-{n}") for n in range(3)]
+    for step in steps:
+        factories.committed(step)
+    with _client(live_server, owner.host, key) as client:
+        lease, record = single = client.claim(lease_seconds=30)
+        assert single.message.id == bytes(steps[0].message.id)
+        assert single.message.content == "please review" and single.message.kind == 9
+        assert client.message(record.id) == single.message
+        batch = client.claim_many(5, lease_seconds=30)
+        assert [item.record.binding.step_id for item in batch] == ["s-1", "s-2"]
+        assert [item.message.id for item in batch] == [bytes(s.message.id) for s in steps[1:]]
+        results = client.finish_many(
+            [(lease, "finished"), (batch[0].lease, Outcome.FAILED), (lease, "failed")]
+        )
+        assert results == [
+            Settled(Outcome.FINISHED),
+            Settled(Outcome.FAILED),
+            AlreadyTerminal(status=results[2].status),
+        ]
+        assert results[2].status.value == "finished"
+    with _client(live_server, owner.host, secret()) as intruder:
+        assert intruder.message(record.id) is None
+        assert intruder.finish_many([(batch[1].lease, "finished")]) == [LeaseLost()]
