@@ -31,7 +31,7 @@ def _fence_trigger():
 
 class Migration(migrations.Migration):
     dependencies = [
-        ("workflow_delivery", "0011_statement_level_timeline"),
+        ("workflow_delivery", "0012_replay_guard_global"),
     ]
 
     operations = [
