@@ -45,6 +45,8 @@ def test_the_client_returns_the_message_and_settles_in_batches(live_server, sett
         lease, record = single = client.claim(lease_seconds=30)
         assert single.message.id == bytes(steps[0].message.id)
         assert single.message.content == "please review" and single.message.kind == 9
+        # What claim_delivery returns is a pair, and callers index it as one.
+        assert (single[0], single[1], len(single)) == (lease, record, 2)
         assert client.message(record.id) == single.message
         batch = client.claim_many(5, lease_seconds=30)
         assert [item.record.binding.step_id for item in batch] == ["s-1", "s-2"]

@@ -339,7 +339,7 @@ class MessageEvent:
 @dataclass(frozen=True, slots=True)
 class Claimed:
     """A claim as the agent API answers it: the lease, the record and the message.
-    Unpacks as ``(lease, record)``, the pair ``claim_delivery`` returns."""
+    Unpacks and indexes as ``(lease, record)``, the pair ``claim_delivery`` returns."""
 
     lease: Lease
     record: DeliveryRecord
@@ -347,6 +347,12 @@ class Claimed:
 
     def __iter__(self):
         return iter((self.lease, self.record))
+
+    def __len__(self) -> int:
+        return 2
+
+    def __getitem__(self, index: int) -> Lease | DeliveryRecord:
+        return (self.lease, self.record)[index]
 
 
 @dataclass(frozen=True, slots=True)
