@@ -14,6 +14,7 @@ import signal
 import urllib.request
 import uuid
 from collections.abc import Iterator
+from contextlib import contextmanager
 from io import StringIO
 from pathlib import Path
 
@@ -24,6 +25,7 @@ from django.db import DatabaseError, connection, transaction
 from buzz_project.demo import app_role as app_roles
 from tests import factories
 from workflow_delivery import errors, fence, services
+from workflow_delivery.exceptions import ExecutorNotAuthorized
 from workflow_delivery.models import Community, WorkflowAgentDelivery
 from workflow_delivery.protocol import Outcome, Settled
 from workflow_delivery.runner import logger as reaper_logger
@@ -33,9 +35,9 @@ pytestmark = pytest.mark.django_db(transaction=True)
 README = Path(__file__).resolve().parent.parent / "README.md"
 
 
-def run(statement: str) -> None:
+def run(statement: str, params=()) -> None:
     with connection.cursor() as cursor:
-        cursor.execute(statement)
+        cursor.execute(statement, params)
 
 
 def fetch(statement: str, params=()) -> list[tuple]:
@@ -44,30 +46,54 @@ def fetch(statement: str, params=()) -> list[tuple]:
         return cursor.fetchall()
 
 
+@contextmanager
+def dropped_afterwards(kind: str) -> Iterator[str]:
+    """A role name of this test alone; whatever it becomes is dropped afterwards."""
+    role = f"h10_{kind}_{uuid.uuid4().hex[:8]}"
+    try:
+        yield role
+    finally:
+        connection.close()
+        if fetch("SELECT 1 FROM pg_roles WHERE rolname = %s", [role]):
+            run(f"DROP OWNED BY {role}")
+            run(f"DROP ROLE {role}")
+
+
+@contextmanager
+def as_role(role: str) -> Iterator[str]:
+    """The test's connection (and every connection a thread of it opens) logs in as
+    ``role`` inside the block."""
+    owner = connection.settings_dict["USER"]
+    connection.close()
+    connection.settings_dict["USER"] = role
+    try:
+        yield role
+    finally:
+        connection.close()
+        connection.settings_dict["USER"] = owner
+
+
 @pytest.fixture
 def new_role() -> Iterator[str]:
-    """A role name of this test alone; whatever it becomes is dropped afterwards."""
-    role = f"h10_app_{uuid.uuid4().hex[:8]}"
-    yield role
-    connection.close()
-    if fetch("SELECT 1 FROM pg_roles WHERE rolname = %s", [role]):
-        run(f"DROP OWNED BY {role}")
-        run(f"DROP ROLE {role}")
+    with dropped_afterwards("app") as role:
+        yield role
 
 
 @pytest.fixture
 def app_role(new_role) -> Iterator[str]:
-    """A fresh login role made by the demo's grant_app_role; the test's connection
-    (and every connection a thread of it opens) uses it."""
+    """A fresh login role made by the demo's grant_app_role, logged in as."""
     call_command("grant_app_role", new_role, stdout=StringIO())
-    owner = connection.settings_dict["USER"]
-    connection.close()
-    connection.settings_dict["USER"] = new_role
-    try:
+    with as_role(new_role):
         yield new_role
-    finally:
-        connection.close()
-        connection.settings_dict["USER"] = owner
+
+
+@pytest.fixture
+def executor_role() -> Iterator[str]:
+    """A fresh role made by ``grant_app_role --executor`` (not logged in as; ask for it
+    before ``app_role``, so the owner makes it)."""
+    with dropped_afterwards("executor") as role:
+        call_command("grant_app_role", role, "--executor", stdout=StringIO())
+        yield role
 
 
 def current_role() -> tuple[str, bool]:
@@ -76,8 +102,13 @@ def current_role() -> tuple[str, bool]:
         return cursor.fetchone()
 
 
-def test_the_app_runs_its_whole_lifecycle_under_a_role_that_owns_nothing(app_role):
+def may_create_temporary_tables() -> bool:
+    return fetch("SELECT has_database_privilege(current_database(), 'TEMPORARY')")[0][0]
+
+
+def test_the_app_runs_its_whole_lifecycle_under_a_role_that_owns_nothing(executor_role, app_role):
     assert current_role() == (app_role, False)
+    assert not may_create_temporary_tables()
     step = factories.Step(targets=2)
     created = services.commit_deliveries(step.community.id, step.created_at, step.new_deliveries())
     assert len(created) == 2
@@ -93,7 +124,13 @@ def test_the_app_runs_its_whole_lifecycle_under_a_role_that_owns_nothing(app_rol
     assert services.reap_expired_deliveries() == 1
     fence.transition_community(step.community.id, "quiescing", expected="active")
     generation = fence.transition_community(step.community.id, "fenced", expected="quiescing")
-    deleted = fence.purge_community(step.community.id, generation)
+    # The purge is the executor role's: the app role may not present the executor.
+    with pytest.raises(ExecutorNotAuthorized, match=f"role {app_role} may not act"):
+        fence.purge_community(step.community.id, generation)
+    with as_role(executor_role):
+        assert current_role() == (executor_role, False)
+        assert not may_create_temporary_tables()
+        deleted = fence.purge_community(step.community.id, generation)
     assert deleted["workflow_agent_deliveries"] == 2
     fence.transition_community(step.community.id, "tombstone", expected="fenced")
     assert Community.objects.get(pk=step.community.pk).deletion_state == "tombstone"
@@ -122,6 +159,135 @@ def test_the_role_cannot_step_around_the_triggers(app_role, bypass):
         run(bypass)
     assert errors.sqlstate(caught.value) == "42501"  # insufficient_privilege
     assert WorkflowAgentDelivery.objects.filter(run=step.run).count() == 1
+
+
+# --- the fence holds against the app role ------------------------------------------------
+
+
+@pytest.fixture
+def app_role_with_temp(new_role) -> Iterator[str]:
+    """An app role that may create temporary tables all the same (a database whose
+    owner gave it TEMPORARY), logged in as."""
+    call_command("grant_app_role", new_role, stdout=StringIO())
+    database = connection.ops.quote_name(connection.settings_dict["NAME"])
+    run(f"GRANT TEMPORARY ON DATABASE {database} TO {new_role}")
+    with as_role(new_role):
+        yield new_role
+
+
+def a_fenced_step(state: str) -> factories.Step:
+    step = factories.Step(targets=1)
+    factories.committed(step)
+    factories.move_to(step.community.id, state)
+    return step
+
+
+def tenant_rows(community_id) -> list[tuple]:
+    return fetch(
+        "SELECT (SELECT array_agg(status) FROM public.workflow_runs WHERE community_id = %s), "
+        "(SELECT count(*) FROM public.workflow_agent_deliveries WHERE community_id = %s)",
+        [community_id, community_id],
+    )
+
+
+def test_the_app_role_cannot_create_temporary_tables(app_role):
+    with pytest.raises(DatabaseError) as caught, transaction.atomic():
+        run("CREATE TEMP TABLE communities (id uuid)")
+    assert errors.sqlstate(caught.value) == "42501"
+
+
+@pytest.mark.parametrize(
+    "write",
+    [
+        "UPDATE workflow_runs SET status = 'cancelled' WHERE community_id = %s",
+        "DELETE FROM workflow_agent_deliveries WHERE community_id = %s",
+        "INSERT INTO workflow_runs SELECT (jsonb_populate_record(NULL::public.workflow_runs, "
+        "to_jsonb(r) || jsonb_build_object('id', gen_random_uuid()))).* "
+        "FROM public.workflow_runs r WHERE r.community_id = %s",
+    ],
+    ids=["update", "delete", "insert"],
+)
+def test_a_temporary_communities_table_does_not_open_the_fence(app_role_with_temp, write):
+    """The fence's functions read the real communities, not a session's shadow of it."""
+    step = a_fenced_step("quiescing")
+    before = tenant_rows(step.community.id)
+    run(
+        "CREATE TEMP TABLE communities (id uuid, host text, deletion_state text, "
+        "deletion_fence_generation bigint)"
+    )
+    run("INSERT INTO communities VALUES (%s, 'shadow.example', 'active', 0)", [step.community.id])
+    with pytest.raises(DatabaseError) as caught, transaction.atomic():
+        run(write, [step.community.id])
+    assert caught.value.__cause__.diag.constraint_name == "wd_community_write_fence"
+    assert tenant_rows(step.community.id) == before
+
+
+def test_a_temporary_timeline_table_swallows_no_entry(app_role_with_temp):
+    step = factories.Step(targets=1)
+    (delivery,) = factories.committed(step)
+    run(
+        "CREATE TEMP TABLE workflow_delivery_timeline "
+        "(LIKE public.workflow_delivery_timeline INCLUDING DEFAULTS INCLUDING IDENTITY)"
+    )
+    services.claim_delivery(step.community.id, step.targets[0])
+    assert fetch("SELECT count(*) FROM pg_temp.workflow_delivery_timeline") == [(0,)]
+    assert fetch(
+        "SELECT kind FROM public.workflow_delivery_timeline WHERE delivery_id = %s ORDER BY id",
+        [delivery.id],
+    ) == [("committed",), ("claimed",)]
+
+
+def test_the_deletion_lock_and_the_executor_settings_authorise_nothing(app_role):
+    step = a_fenced_step("fenced")
+    generation = Community.objects.get(pk=step.community.pk).deletion_fence_generation
+    with pytest.raises(DatabaseError) as caught, transaction.atomic():
+        run("SELECT pg_advisory_xact_lock(wd_community_deletion_key(%s))", [step.community.id])
+        run(
+            "SELECT set_config('workflow_delivery.executor_community', %s, true), "
+            "set_config('workflow_delivery.executor_generation', %s, true)",
+            [str(step.community.id), str(generation)],
+        )
+        run("DELETE FROM workflow_agent_deliveries WHERE community_id = %s", [step.community.id])
+    assert caught.value.__cause__.diag.constraint_name == "wd_community_write_fence"
+    assert WorkflowAgentDelivery.objects.filter(community=step.community).count() == 1
+
+
+@pytest.mark.parametrize(
+    "present",
+    [
+        "SELECT wd_present_executor(%s, %s)",
+        "INSERT INTO wd_executor_presentations "
+        "VALUES (pg_backend_pid(), pg_current_xact_id(), %s, %s)",
+    ],
+    ids=["function", "table"],
+)
+def test_the_app_role_cannot_present_the_executor(app_role, present):
+    step = a_fenced_step("fenced")
+    generation = Community.objects.get(pk=step.community.pk).deletion_fence_generation
+    with pytest.raises(DatabaseError) as caught, transaction.atomic():
+        run("SELECT pg_advisory_xact_lock(wd_community_deletion_key(%s))", [step.community.id])
+        run(present, [step.community.id, generation])
+    assert errors.sqlstate(caught.value) == "42501"
+    with pytest.raises(ExecutorNotAuthorized):
+        fence.purge_community(step.community.id, generation)
+    assert WorkflowAgentDelivery.objects.filter(community=step.community).count() == 1
+
+
+def test_a_role_granted_the_presentations_table_still_cannot_forge_one(new_role):
+    call_command("grant_app_role", new_role, stdout=StringIO())
+    run(f"GRANT ALL ON wd_executor_presentations TO {new_role}")
+    step = a_fenced_step("fenced")
+    generation = Community.objects.get(pk=step.community.pk).deletion_fence_generation
+    with as_role(new_role):
+        with pytest.raises(DatabaseError) as caught, transaction.atomic():
+            run("SELECT pg_advisory_xact_lock(wd_community_deletion_key(%s))", [step.community.id])
+            run(
+                "INSERT INTO wd_executor_presentations "
+                "VALUES (pg_backend_pid(), pg_current_xact_id(), %s, %s)",
+                [step.community.id, generation],
+            )
+        assert caught.value.__cause__.diag.constraint_name == "wd_executor_presentation_by_owner"
+        assert WorkflowAgentDelivery.objects.filter(community=step.community).count() == 1
 
 
 def test_the_readme_shows_the_statements_grant_app_role_runs():
@@ -156,17 +322,56 @@ def test_grant_app_role_makes_a_role_with_dml_only_and_is_idempotent(new_role, m
     )
     assert attributes == [(True, False, False, False, False, False, True)]
     assert privileges(new_role) == {"SELECT", "INSERT", "UPDATE", "DELETE"}
-    # Every table and sequence, Django's own too: the demo's admin logs in with them.
-    assert (
-        fetch(
-            "SELECT c.relname FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace "
-            "WHERE n.nspname = 'public' AND ((c.relkind = 'r' AND NOT has_table_privilege(%s, "
-            "c.oid, 'SELECT, INSERT, UPDATE, DELETE')) OR (c.relkind = 'S' AND NOT "
-            "has_sequence_privilege(%s, c.oid, 'USAGE')))",
-            [new_role, new_role],
-        )
-        == []
-    )
+    # Every table and sequence, Django's own too: the demo's admin logs in with them;
+    # all but the executor's presentations, on which it holds nothing.
+    assert fetch(
+        "SELECT c.relname FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace "
+        "WHERE n.nspname = 'public' AND ((c.relkind = 'r' AND NOT has_table_privilege(%s, "
+        "c.oid, 'SELECT, INSERT, UPDATE, DELETE')) OR (c.relkind = 'S' AND NOT "
+        "has_sequence_privilege(%s, c.oid, 'USAGE')))",
+        [new_role, new_role],
+    ) == [("wd_executor_presentations",)]
+    assert fetch(
+        "SELECT has_any_column_privilege(%s, 'wd_executor_presentations', "
+        "'SELECT, INSERT, UPDATE, REFERENCES'), has_table_privilege(%s, "
+        "'wd_executor_presentations', 'DELETE, TRUNCATE, TRIGGER'), "
+        "has_database_privilege(%s, current_database(), 'TEMPORARY')",
+        [new_role] * 3,
+    ) == [(False, False, False)]
+    assert may_present_executor(new_role) is False
+
+
+def may_present_executor(role: str) -> bool:
+    return fetch(
+        "SELECT has_function_privilege(%s, 'wd_present_executor(uuid, bigint)', 'EXECUTE')",
+        [role],
+    )[0][0]
+
+
+def test_grant_app_role_gives_and_takes_back_the_executors_authority(new_role):
+    out = StringIO()
+    call_command("grant_app_role", new_role, "--executor", stdout=out)
+    assert "(may act as the deletion executor)" in out.getvalue()
+    assert may_present_executor(new_role) is True
+    call_command("grant_app_role", new_role, stdout=StringIO())
+    assert may_present_executor(new_role) is False
+
+
+def test_grant_app_role_refuses_a_role_that_may_still_create_temporary_tables(new_role):
+    """TEMPORARY granted by another grantor, which the owner's REVOKE leaves in place."""
+    call_command("grant_app_role", new_role, stdout=StringIO())
+    database = connection.ops.quote_name(connection.settings_dict["NAME"])
+    with dropped_afterwards("grantor") as grantor:
+        run(f"CREATE ROLE {grantor}")
+        run(f"GRANT TEMPORARY ON DATABASE {database} TO {grantor} WITH GRANT OPTION")
+        run(f"SET ROLE {grantor}")
+        try:
+            run(f"GRANT TEMPORARY ON DATABASE {database} TO {new_role}")
+        finally:
+            run("RESET ROLE")
+        with pytest.raises(CommandError, match="may create temporary tables"):
+            call_command("grant_app_role", new_role, stdout=StringIO())
+        run(f"REVOKE TEMPORARY ON DATABASE {database} FROM {grantor} CASCADE")
 
 
 def test_grant_app_role_takes_a_role_back_to_its_attributes(new_role):

@@ -376,6 +376,9 @@ def test_executor_settings_left_on_the_session_authorise_nothing_in_the_next_tra
         with transaction.atomic(), connection.cursor() as c:
             # A real executor's transaction, but presenting session-wide.
             c.execute("SELECT pg_advisory_xact_lock(wd_community_deletion_key(%s))", [frozen.id])
+            c.execute(
+                "SELECT wd_present_executor(%s, %s)", [frozen.id, frozen.deletion_fence_generation]
+            )
             present(c, frozen, local=False)
             c.execute(
                 "DELETE FROM workflow_agent_deliveries "

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 import threading
 import uuid
 
@@ -216,6 +217,45 @@ def test_a_statement_waiting_on_a_lock_is_cancelled_by_ctrl_c():
         other.close()
     # The query was cancelled, not left running: the connection serves the retry.
     assert services.finish_delivery(lease, Outcome.FINISHED) == Settled(Outcome.FINISHED)
+
+
+def interrupt_after_the_send(frame, event, arg):
+    """A trace function: Ctrl-C inside the lane's generator, once the statement has
+    been sent and before its answer is read (where a SIGINT lands when the
+    interpreter runs that frame, as under load)."""
+    if frame.f_code is not lane._sent.__code__:
+        return None
+    lines = []
+
+    def local(frame, event, arg):
+        if event == "line":
+            lines.append(frame.f_lineno)
+            if len(lines) == 2:  # the send() line ran; now the read
+                sys.settrace(None)
+                raise KeyboardInterrupt
+        return local
+
+    return local
+
+
+def test_ctrl_c_between_send_and_read_leaves_the_session_idle():
+    step = factories.Step()
+    factories.committed(step)
+    lease, _ = services.claim_delivery(step.community.id, step.targets[0])
+    assert isinstance(services.renew_delivery(lease), Renewed)  # prepared
+    sys.settrace(interrupt_after_the_send)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            services.renew_delivery(lease)
+    finally:
+        sys.settrace(None)
+    assert connection.connection.pgconn.transaction_status == lane.IDLE
+    # The lane and Django's own cursor both get the session back.
+    assert isinstance(services.renew_delivery(lease), Renewed)
+    assert services.finish_delivery(lease, Outcome.FINISHED) == Settled(Outcome.FINISHED)
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT 1")
+        assert cursor.fetchone() == (1,)
 
 
 def test_inside_a_transaction_statements_take_the_cursor_path():

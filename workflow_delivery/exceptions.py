@@ -89,6 +89,11 @@ class StaleFenceGeneration(WorkflowDeliveryError):
     """The executor presented a fence generation that is no longer current."""
 
 
+class ExecutorNotAuthorized(WorkflowDeliveryError, PermissionError):
+    """The connection's role may not act as the deletion executor: it lacks EXECUTE on
+    ``wd_present_executor`` (the migrating role and the roles granted it have it)."""
+
+
 class IsolationLevelError(WorkflowDeliveryError):
     """A fenced operation ran outside READ COMMITTED isolation."""
 

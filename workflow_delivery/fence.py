@@ -4,7 +4,10 @@ Writers pass the fence under the *shared* advisory lock on the community's
 deletion key (the row trigger takes it). The executor takes the *exclusive* lock,
 so it waits for every writer already past the fence and holds new ones until it
 commits; then it may write or purge the tenant's rows by presenting, for its
-transaction only, the community and the current fence generation.
+transaction only, the community and the current fence generation. The database
+records the presentation only for a role allowed to execute ``wd_present_executor``
+(the migrating role, or one granted it): an app role that takes the lock and sets
+the settings itself is still refused.
 """
 
 from __future__ import annotations
@@ -13,11 +16,12 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from uuid import UUID
 
-from django.db import DEFAULT_DB_ALIAS, connections, transaction
+from django.db import DEFAULT_DB_ALIAS, DatabaseError, connections, transaction
 
-from . import sql
+from . import errors, sql
 from .exceptions import (
     CommunityNotFound,
+    ExecutorNotAuthorized,
     InvalidLifecycleTransition,
     ProtocolError,
     StaleFenceGeneration,
@@ -104,11 +108,26 @@ def executor_writes(
                 f"community {community_id}: fence generation {generation} is stale "
                 f"(current is {current})"
             )
-        cursor.execute(sql.PRESENT_EXECUTOR, [str(community_id), str(generation)])
+        _present(cursor, community_id, generation, using)
         yield state
         # The presentation is transaction-local: an error rolls it back with the
         # block; on success clear it so an enclosing transaction keeps no authority.
         cursor.execute(sql.WITHDRAW_EXECUTOR)
+
+
+def _present(cursor, community_id: UUID, generation: int, using: str) -> None:
+    try:
+        # Under a savepoint, so the refusal can still name the role.
+        with transaction.atomic(using=using):
+            cursor.execute(sql.PRESENT_EXECUTOR, [str(community_id), generation])
+    except DatabaseError as exc:
+        if errors.sqlstate(exc) != "42501":  # insufficient_privilege
+            raise
+        cursor.execute(sql.CURRENT_ROLE)
+        raise ExecutorNotAuthorized(
+            f"role {cursor.fetchone()[0]} may not act as the deletion executor of community "
+            f"{community_id}: it needs EXECUTE on wd_present_executor (an executor role)"
+        ) from exc
 
 
 def purge_community(

@@ -18,6 +18,8 @@ the cursor path.
 from __future__ import annotations
 
 import re
+import selectors
+import time
 from collections.abc import Callable, Generator, Sequence
 from functools import partial
 from typing import Any
@@ -37,6 +39,12 @@ if AVAILABLE:
     _BINARY = pq.Format.BINARY
     _FAILED = pq.ExecStatus.FATAL_ERROR
     IDLE = pq.TransactionStatus.IDLE
+    _BUSY = pq.TransactionStatus.ACTIVE
+    _CONNECTED = pq.ConnStatus.OK
+
+# How long an interrupted statement's cancel and the rest of its answer may take
+# before the session is given up (psycopg's own wait allows as long).
+_SETTLE_SECONDS = 5.0
 
 # The server's answer to a prepared statement that is not there: psycopg sends
 # DEALLOCATE ALL after a ROLLBACK once it has prepared statements of its own, and a
@@ -142,11 +150,58 @@ class Lane:
     def _send(self, send: Callable[[], None]) -> Any:
         """``send()`` the request and wait for its result, both inside psycopg's wait, so
         that Ctrl-C at any point cancels what the server is running (as a cursor does)."""
-        results = self.raw.wait(_sent(send, self._pgconn))
+        try:
+            results = self.raw.wait(_sent(send, self._pgconn))
+        except BaseException:
+            self._settle()
+            raise
         for result in results:
             if result.status == _FAILED:
                 raise error_from_result(result, encoding=self.raw.info.encoding)
         return results[-1]
+
+    def _settle(self) -> None:
+        """After a wait that ended before the whole answer was read, leave the session
+        idle, or close it.
+
+        A Ctrl-C that lands in our generator, between the send and the read, ends it:
+        psycopg's wait cancels the query but has no generator left to read the answer
+        with, and the session stays mid-command, refusing every later statement (the
+        next test's flush too) with "another command is already in progress". So the
+        query is cancelled (again: whatever ended the wait may not have) and the rest
+        of its answer dropped; a session that does not come back in time, or a second
+        interruption, is closed, as psycopg closes one it cannot cancel."""
+        pgconn = self._pgconn
+        if pgconn.status != _CONNECTED or pgconn.transaction_status != _BUSY:
+            return
+        try:
+            if hasattr(self.raw, "cancel_safe"):  # psycopg 3.2+
+                self.raw.cancel_safe(timeout=_SETTLE_SECONDS)
+            else:
+                self.raw.cancel()
+            settled = _drop_answer(pgconn, time.monotonic() + _SETTLE_SECONDS)
+        except (psycopg.Error, OSError):
+            settled = False
+        except BaseException:
+            pgconn.finish()
+            raise
+        if not settled:
+            pgconn.finish()
+
+
+def _drop_answer(pgconn: Any, deadline: float) -> bool:
+    """Read every remaining result of the command in progress and drop it; true once
+    the session is idle again, false if ``deadline`` passes first."""
+    with selectors.DefaultSelector() as selector:
+        selector.register(pgconn.socket, selectors.EVENT_READ)
+        while True:
+            pgconn.consume_input()
+            if pgconn.is_busy():
+                remaining = deadline - time.monotonic()
+                if remaining <= 0 or not selector.select(remaining):
+                    return False
+            elif pgconn.get_result() is None:
+                return pgconn.transaction_status == IDLE
 
 
 def _sent(send: Callable[[], None], pgconn: Any) -> Generator[Any, Any, list[Any]]:

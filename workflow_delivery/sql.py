@@ -647,15 +647,13 @@ SET_COMMUNITY_STATE = f"""
 UPDATE {COMMUNITIES} SET deletion_state = %s WHERE id = %s RETURNING deletion_fence_generation
 """
 
-PRESENT_EXECUTOR = """
-SELECT set_config('workflow_delivery.executor_community', %s, true),
-       set_config('workflow_delivery.executor_generation', %s, true)
-"""
+# Recorded by the database where only the migrating role writes (migration 0017);
+# EXECUTE is the owner's and an executor role's, never PUBLIC's.
+PRESENT_EXECUTOR = "SELECT wd_present_executor(%s::uuid, %s::bigint)"
 
-WITHDRAW_EXECUTOR = """
-SELECT set_config('workflow_delivery.executor_community', '', true),
-       set_config('workflow_delivery.executor_generation', '', true)
-"""
+WITHDRAW_EXECUTOR = "SELECT wd_withdraw_executor()"
+
+CURRENT_ROLE = "SELECT current_user"
 
 # Children first, so no foreign key refuses the purge.
 PURGE_ORDER = [

@@ -15,13 +15,24 @@ from django.db.backends.base.base import BaseDatabaseWrapper
 # What the role is: a login and nothing more.
 ATTRIBUTES = "LOGIN NOSUPERUSER NOCREATEDB NOCREATEROLE NOBYPASSRLS"
 
-# Everything it is granted: DML on the app's tables, no TRUNCATE, TRIGGER or ownership.
+# Everything it is granted: DML on the app's tables, no TRUNCATE, TRIGGER or ownership,
+# no temporary tables (the app needs none; PUBLIC holds TEMPORARY on a new database), and
+# nothing on the deletion executor's presentations.
 GRANTS = (
     "GRANT CONNECT ON DATABASE {database} TO {role}",
+    "REVOKE TEMPORARY ON DATABASE {database} FROM PUBLIC",
+    "REVOKE TEMPORARY ON DATABASE {database} FROM {role}",
     "GRANT USAGE ON SCHEMA public TO {role}",
     "GRANT SELECT, INSERT, UPDATE, DELETE ON ALL TABLES IN SCHEMA public TO {role}",
+    "REVOKE ALL ON wd_executor_presentations FROM {role}",
     "GRANT USAGE, SELECT ON ALL SEQUENCES IN SCHEMA public TO {role}",
 )
+
+# The deletion executor's authority (``fence.executor_writes``, ``fence.purge_community``):
+# granted only to an executor role, taken back from a role made without it.
+EXECUTOR_FUNCTIONS = "FUNCTION wd_present_executor(uuid, bigint), wd_withdraw_executor()"
+EXECUTOR_GRANT = f"GRANT EXECUTE ON {EXECUTOR_FUNCTIONS} TO {{role}}"
+EXECUTOR_REVOKE = f"REVOKE EXECUTE ON {EXECUTOR_FUNCTIONS} FROM {{role}}"
 
 # Table privileges that would let it step around the triggers or the schema.
 FORBIDDEN_TABLE_PRIVILEGES = ("TRUNCATE", "TRIGGER", "REFERENCES")
@@ -36,26 +47,37 @@ def create_statement(role: str, password: str | None = None) -> str:
     return f"CREATE ROLE {role} {ATTRIBUTES}" + (f" PASSWORD {password}" if password else "")
 
 
-def grant_statements(database: str, role: str) -> list[str]:
+def grant_statements(database: str, role: str, *, executor: bool = False) -> list[str]:
     """The grants, for identifiers already quoted as the caller wants them."""
-    return [grant.format(database=database, role=role) for grant in GRANTS]
+    statements = [*GRANTS, EXECUTOR_GRANT if executor else EXECUTOR_REVOKE]
+    return [statement.format(database=database, role=role) for statement in statements]
 
 
 def readme_sql(role: str = "buzz_app", database: str = "buzz") -> str:
     """The block README "Running under an unprivileged role" shows."""
-    lines = [create_statement(role, "'…'"), *grant_statements(database, role)]
+    lines = [
+        create_statement(role, "'…'"),
+        *(grant.format(database=database, role=role) for grant in GRANTS),
+    ]
     return "".join(f"{line};\n" for line in lines)
 
 
 def ensure_app_role(
-    connection: BaseDatabaseWrapper, role: str, password: str | None = None
+    connection: BaseDatabaseWrapper,
+    role: str,
+    password: str | None = None,
+    *,
+    executor: bool = False,
 ) -> bool:
     """Create ``role`` (or bring it back to ``ATTRIBUTES``) and grant it ``GRANTS`` on
     the connection's database, as the connection's (owning) role; True when created.
+    With ``executor`` it may also act as the deletion executor; without, that is
+    taken back.
 
     Idempotent. A password given is set each time; none leaves the role's as it is.
     Raises ``RoleRefused`` when the role is the connection's own, belongs to another
-    role, owns something here, or holds a forbidden table privilege.
+    role, owns something here, holds a forbidden table privilege, or may still create
+    temporary tables (PUBLIC's TEMPORARY could not be revoked by this role).
     """
     quote: Callable[[str], str] = connection.ops.quote_name
     with connection.cursor() as cursor:
@@ -77,7 +99,8 @@ def ensure_app_role(
             cursor.execute(f"ALTER ROLE {quote(role)} {ATTRIBUTES}")
         if found is not None and password:
             cursor.execute(f"ALTER ROLE {quote(role)} PASSWORD %s", [password])
-        for statement in grant_statements(quote(connection.settings_dict["NAME"]), quote(role)):
+        database = quote(connection.settings_dict["NAME"])
+        for statement in grant_statements(database, quote(role), executor=executor):
             cursor.execute(statement)
         problems = _problems(cursor, role)
     if problems:
@@ -115,4 +138,9 @@ def _problems(cursor, role: str) -> list[str]:
     )
     if (tables := cursor.fetchone()[0]) is not None:
         problems.append(f"holds {', '.join(FORBIDDEN_TABLE_PRIVILEGES)} on {tables} (revoke it)")
+    cursor.execute("SELECT has_database_privilege(%s, current_database(), 'TEMPORARY')", [role])
+    if cursor.fetchone()[0]:
+        problems.append(
+            "may create temporary tables (REVOKE TEMPORARY ON DATABASE … FROM PUBLIC, as its owner)"
+        )
     return problems
