@@ -121,6 +121,12 @@ CauseOut = Annotated[
 ]
 
 
+class LastErrorOut(Schema):
+    type: str
+    message: str
+    at: Instant
+
+
 class DeliveryOut(Schema):
     id: Uuid
     community_id: Uuid
@@ -138,6 +144,9 @@ class DeliveryOut(Schema):
     claimed_at: Instant | None
     finished_at: Instant | None
     created_at: Instant
+    attempts: int = 0
+    available_at: Instant | None = None
+    last_error: LastErrorOut | None = None
 
 
 class LeaseOut(Schema):

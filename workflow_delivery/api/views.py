@@ -204,12 +204,13 @@ def _prepare_wait(caller: Caller) -> UUID | None:
 
 
 def _pending_delivery(caller: Caller) -> UUID | None:
-    """The caller's oldest pending delivery, or None. The request's connection is
-    then released so the wait itself holds none."""
+    """The caller's oldest claimable delivery (pending and not backing off after a
+    retry), or None. The request's connection is then released so the wait itself
+    holds none."""
     with wait_gate:
         try:
             return (
-                WorkflowAgentDelivery.objects.pending()
+                WorkflowAgentDelivery.objects.claimable()
                 .for_target(caller.community_id, caller.pubkey)
                 .order_by("created_at", "id")
                 .values_list("id", flat=True)
