@@ -181,9 +181,9 @@ def test_a_permanent_failure_fails_the_delivery_at_once_with_its_error_kept():
 def test_a_retried_delivery_waits_for_its_time_by_the_database_clock():
     step, delivery_id = one_delivery()
     lease, _ = claim(step)
-    result = services.retry_delivery(lease, error=failing("try later"), delay_seconds=0.4)
+    result = services.retry_delivery(lease, error=failing("try later"), delay_seconds=1.5)
     assert isinstance(result, Retried) and result.attempts == 1
-    assert 0 < database_seconds_until(result.available_at) <= 0.4
+    assert 0 < database_seconds_until(result.available_at) <= 1.5
     stored = row(delivery_id)
     assert stored["status"] == "pending" and stored["lease_generation"] == lease.generation + 1
     assert stored["lease_until"] is None and stored["claimed_at"] is None
