@@ -11,6 +11,7 @@ from io import StringIO
 import pytest
 from django.core.management import CommandError, call_command
 from django.db import connection
+from django.test import override_settings
 
 from tests import factories
 from tests.consumer_handlers import CREATE_EFFECTS, EFFECTS
@@ -60,7 +61,19 @@ def test_consumes_up_to_max_deliveries_and_summarises(effects):
     assert set(WorkflowAgentDelivery.objects.values_list("status", flat=True)) == {"finished"}
 
 
-def test_a_failing_handler_settles_failed():
+def test_a_failing_handler_gives_its_delivery_back_to_be_retried():
+    step = factories.Step(targets=1)
+    factories.committed(step)
+    output = consume(step, "--max-deliveries", "1", handler="refuse")
+    summary = output.strip().splitlines()[-1]
+    assert "failed=0" in summary and "retried=1" in summary
+    delivery = WorkflowAgentDelivery.objects.get()
+    assert delivery.status == "pending" and delivery.available_at is not None
+    assert delivery.last_error_message == "this handler always fails"
+
+
+@override_settings(WORKFLOW_DELIVERY_MAX_ATTEMPTS=1)
+def test_a_failing_handler_on_its_last_attempt_settles_failed():
     step = factories.Step(targets=1)
     factories.committed(step)
     output = consume(step, "--max-deliveries", "1", handler="refuse")

@@ -208,7 +208,7 @@ def test_an_operator_release_is_seen_and_its_writes_do_not_commit(db, effects):
     assert status(delivery.id) == DeliveryStatus.PENDING
 
 
-def test_effects_through_holding_and_failures_settle(db, effects):
+def test_effects_through_holding_settle_and_a_failure_is_retried(db, effects, settings):
     good = factories.Step(targets=2)
     finished = factories.committed(good)
     with Running(consumer_for(good, write_effect, concurrency=2, max_deliveries=2)) as running:
@@ -222,9 +222,12 @@ def test_effects_through_holding_and_failures_settle(db, effects):
     def refuse(record, lease, context) -> None:
         raise RuntimeError("no")
 
-    with Running(consumer_for(bad, refuse, max_deliveries=1)) as running:
+    settings.WORKFLOW_DELIVERY_MAX_ATTEMPTS = 2
+    settings.WORKFLOW_DELIVERY_RETRY_BACKOFF_SECONDS = 0.05
+    with Running(consumer_for(bad, refuse, max_deliveries=2, poll_interval=0.05)) as running:
         stats = running.join(20)
-    assert stats.failed == 1
+    # The first failure is retried; the second uses the last attempt and fails it.
+    assert (stats.claimed, stats.retried, stats.failed) == (2, 1, 1)
     assert status(failing.id) == DeliveryStatus.FAILED
 
 

@@ -459,6 +459,20 @@ class EventAdmin(ReadOnlyAdmin):
         return super().change_view(request, object_id, form_url, extra_context)
 
 
+def _error(kind: str | None, message: str | None, traceback: str | None) -> str | SafeString:
+    """A recorded error: its type and message, and its traceback folded away."""
+    if kind is None:
+        return ""
+    shown = format_html('<code class="wd-error">{}: {}</code>', kind, message)
+    if traceback is None:
+        return shown
+    return format_html(
+        '{}<details class="wd-traceback"><summary>traceback</summary><pre>{}</pre></details>',
+        shown,
+        traceback,
+    )
+
+
 class ExpiredLeaseFilter(admin.SimpleListFilter):
     title = "lease"
     parameter_name = "lease"
@@ -553,9 +567,11 @@ class DeliveryAdmin(ReadOnlyAdmin):
                     "lease_expiry",
                     time_field("claimed_at"),
                     time_field("finished_at"),
+                    "retry_after",
                 ]
             },
         ),
+        ("Last error", {"fields": ["last_error"]}),
         (None, {"fields": [time_field("created_at")]}),
         ("Timeline", {"fields": ["timeline"]}),
     ]
@@ -608,7 +624,8 @@ class DeliveryAdmin(ReadOnlyAdmin):
         ).order_by("id")
         rows = format_html_join(
             "",
-            "<tr><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td></tr>",
+            "<tr><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td>"
+            "<td>{}</td></tr>",
             (
                 (
                     _when(entry.at),
@@ -617,6 +634,7 @@ class DeliveryAdmin(ReadOnlyAdmin):
                     entry.generation,
                     entry.attempts,
                     entry.actor,
+                    _error(entry.error_type, entry.error_message, entry.error_traceback),
                 )
                 for entry in entries
             ),
@@ -625,10 +643,30 @@ class DeliveryAdmin(ReadOnlyAdmin):
             return format_html("{}", "No transition recorded (the timeline may be turned off).")
         return format_html(
             '<table class="wd-timeline"><thead><tr><th>at</th><th>transition</th>'
-            "<th>status</th><th>generation</th><th>attempts</th><th>actor</th></tr></thead>"
-            "<tbody>{}</tbody></table>",
+            "<th>status</th><th>generation</th><th>attempts</th><th>actor</th><th>error</th>"
+            "</tr></thead><tbody>{}</tbody></table>",
             rows,
         )
+
+    @admin.display(description="last error")
+    def last_error(self, obj: WorkflowAgentDelivery) -> str | SafeString:
+        if obj.last_error_type is None:
+            return "—"
+        return format_html(
+            '{} <span class="wd-error-at">({})</span>',
+            _error(obj.last_error_type, obj.last_error_message, None),
+            _when(obj.last_error_at),
+        )
+
+    @admin.display(description="retry not before")
+    def retry_after(self, obj: WorkflowAgentDelivery) -> str | None:
+        if obj.available_at is None:
+            return None
+        shown = _when(obj.available_at)
+        # The application clock flags it on screen; claims decide by the database clock.
+        if obj.available_at > timezone.now():
+            return format_html('<strong class="wd-backing-off">{} (backing off)</strong>', shown)
+        return shown
 
     @admin.display(description="gen", ordering="lease_generation")
     def generation(self, obj: WorkflowAgentDelivery) -> int:

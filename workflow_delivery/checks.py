@@ -10,6 +10,7 @@ from django.db import DatabaseError, connections
 from .conf import (
     LEASE_SECONDS_BOUND,
     app_settings,
+    is_delay_seconds,
     is_number,
     is_whole_number,
     is_yield_ratio,
@@ -42,6 +43,14 @@ E009_MSG = (
 
 E011_MSG = "WORKFLOW_DELIVERY_NOTIFY must be True or False, got {value!r}."
 E012_MSG = "WORKFLOW_DELIVERY_NOTIFY_IN_TRANSACTION must be True or False, got {value!r}."
+E020_MSG = (
+    "WORKFLOW_DELIVERY_{name} must be a number of seconds from 0 to {bound} (10 years), "
+    "got {value!r}."
+)
+E021_MSG = (
+    "WORKFLOW_DELIVERY_RETRY_BACKOFF_SECONDS ({base}) exceeds "
+    "WORKFLOW_DELIVERY_RETRY_BACKOFF_MAX_SECONDS ({maximum})."
+)
 
 
 def _positive_int(value: Any) -> bool:
@@ -126,6 +135,17 @@ def check_settings(app_configs: Any = None, **kwargs: Any) -> list:
     cap = app_settings.MAX_ATTEMPTS
     if cap is not None and not _positive_int(cap):
         errors.append(checks.Error(E008_MSG.format(value=cap), id="workflow_delivery.E008"))
+    backoff = {}
+    for name in ("RETRY_BACKOFF_SECONDS", "RETRY_BACKOFF_MAX_SECONDS"):
+        value = backoff[name] = getattr(app_settings, name)
+        if not is_delay_seconds(value):
+            message = E020_MSG.format(name=name, bound=LEASE_SECONDS_BOUND, value=value)
+            errors.append(checks.Error(message, id="workflow_delivery.E020"))
+    base, most = backoff["RETRY_BACKOFF_SECONDS"], backoff["RETRY_BACKOFF_MAX_SECONDS"]
+    if is_delay_seconds(base) and is_delay_seconds(most) and base > most:
+        errors.append(
+            checks.Error(E021_MSG.format(base=base, maximum=most), id="workflow_delivery.E021")
+        )
     retention = app_settings.RETENTION
     try:
         parse_duration(retention)

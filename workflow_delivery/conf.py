@@ -38,6 +38,10 @@ DEFAULTS: dict[str, Any] = {
     "NOTIFY_IN_TRANSACTION": True,
     # Claims a delivery may use; an expired lease past it is settled failed. None: no cap.
     "MAX_ATTEMPTS": 20,
+    # A retried delivery waits min(MAX, BASE * 2^(attempts - 1)) seconds, times a random
+    # factor from 0.5 to 1, before a claim may take it again (services.retry_delivery).
+    "RETRY_BACKOFF_SECONDS": 1.0,
+    "RETRY_BACKOFF_MAX_SECONDS": 300.0,
     # How long terminal deliveries are kept (prune_deliveries, reap_deliveries --prune).
     "RETENTION": "30d",
     "PRUNE_BATCH_SIZE": 1000,
@@ -89,6 +93,11 @@ def is_whole_number(value: object) -> bool:
 def is_number(value: object) -> bool:
     """A finite ``int`` or ``float`` that is not a ``bool`` (no inf, no nan)."""
     return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def is_delay_seconds(value: object) -> bool:
+    """A wait in seconds: a finite number from 0 to ``LEASE_SECONDS_BOUND``."""
+    return is_number(value) and 0 <= value <= LEASE_SECONDS_BOUND
 
 
 def is_yield_ratio(value: object) -> bool:

@@ -3,10 +3,13 @@
 ``Consumer(community_id, targets, handler)`` runs ``concurrency`` worker threads, each
 claiming the oldest pending delivery of its targets on a connection of its own and
 calling ``handler(record, lease, context)``. A handler that returns settles the
-delivery ``finished``; one that raises settles it ``failed``; a lease lost meanwhile
-settles nothing (the delivery is someone else's now). ``context.lost`` is set as soon
-as the consumer learns the lease is gone, and ``context.holding()`` gives the
-handler lease-fenced writes (see ``services.holding``).
+delivery ``finished``. One that raises gives it back to be retried
+(``services.retry_delivery``): pending again after a backoff, its error kept, until
+it has used ``WORKFLOW_DELIVERY_MAX_ATTEMPTS`` claims, when it settles ``failed``. A
+handler that raises ``PermanentFailure`` settles it ``failed`` at once, its error
+kept. A lease lost meanwhile settles nothing (the delivery is someone else's now).
+``context.lost`` is set as soon as the consumer learns the lease is gone, and
+``context.holding()`` gives the handler lease-fenced writes (see ``services.holding``).
 
 Waking: with ``listen`` (by default when ``WORKFLOW_DELIVERY_NOTIFY`` is on, as it is
 by default) the main thread listens for the producer's notifications (``wakeups``).
@@ -44,10 +47,12 @@ from .exceptions import DeliveryTimeout, LeaseLostError, ProtocolError, Workflow
 from .protocol import (
     AlreadyTerminal,
     DeliveryRecord,
+    Exhausted,
     Lease,
     LeaseLost,
     Outcome,
     Renewed,
+    Retried,
     Settled,
     as_bytes32,
     as_uuid,
@@ -55,7 +60,7 @@ from .protocol import (
 from .wakeups import WakeListener
 from .wakeups import available as wakeups_available
 
-__all__ = ["Consumer", "ConsumerStats", "DeliveryContext", "Handler"]
+__all__ = ["Consumer", "ConsumerStats", "DeliveryContext", "Handler", "PermanentFailure"]
 
 logger = logging.getLogger(__name__)
 
@@ -71,9 +76,17 @@ _LISTEN_SLICE = 0.25
 _MAX_BACKOFF = 5.0
 
 
+class PermanentFailure(Exception):
+    """Raised by a handler: the delivery cannot succeed, however often it is tried.
+    The consumer settles it ``failed`` at once, with this error (and what it was
+    raised from) kept as its last error, instead of retrying it."""
+
+
 @dataclass
 class ConsumerStats:
-    """Counts since the consumer started; read them after ``run`` or in ``on_progress``."""
+    """Counts since the consumer started; read them after ``run`` or in ``on_progress``.
+    ``retried``: handler failures given back to be tried again (a delivery that had
+    used every attempt counts as ``failed`` instead)."""
 
     claimed: int = 0
     finished: int = 0
@@ -83,6 +96,7 @@ class ConsumerStats:
     renewed: int = 0
     renew_busy: int = 0
     connection_errors: int = 0
+    retried: int = 0
 
     def line(self) -> str:
         return " ".join(f"{f.name}={getattr(self, f.name)}" for f in fields(self))
@@ -533,6 +547,7 @@ class Consumer:
         context = DeliveryContext(self, record, lease)
         self._heartbeat.track(context)
         outcome: Outcome | None = None
+        error: Exception | None = None
         try:
             logger.debug("handling %s", lease.delivery_id)
             self.handler(record, lease, context)
@@ -543,19 +558,26 @@ class Consumer:
             # Not the handler's verdict on the delivery: give it back to be retried.
             logger.warning("handler lost its connection on %s (%s)", lease.delivery_id, exc)
             _discard_connection(self.using)
-        except Exception:
+        except PermanentFailure as exc:
+            logger.warning(
+                "handler failed delivery %s for good: %s", lease.delivery_id, exc, exc_info=True
+            )
+            outcome, error = Outcome.FAILED, exc
+        except Exception as exc:
             logger.exception("handler raised on delivery %s", lease.delivery_id)
-            outcome = Outcome.FAILED
+            error = exc
         finally:
             self._heartbeat.untrack(context)
         if context.settled is not None:
             self._count(context.settled.outcome.value)
         elif context.lost.is_set():
             self._count("lost")
+        elif outcome is None and error is not None:
+            self._retry(context, error)
         elif outcome is None:
             self._give_back(context)
         else:
-            self._settle(context, outcome)
+            self._settle(context, outcome, error)
 
     def _retrying(self, action: Callable[[], Any], context: DeliveryContext) -> Any:
         """``action()``, retried after a lost connection for as long as the lease
@@ -574,9 +596,12 @@ class Consumer:
                     return None
                 time.sleep(backoff)
 
-    def _settle(self, context: DeliveryContext, outcome: Outcome) -> None:
+    def _settle(
+        self, context: DeliveryContext, outcome: Outcome, error: Exception | None = None
+    ) -> None:
         result = self._retrying(
-            lambda: services.finish_delivery(context.lease, outcome, using=self.using), context
+            lambda: services.finish_delivery(context.lease, outcome, error=error, using=self.using),
+            context,
         )
         if isinstance(result, Settled):
             self._count(result.outcome.value)
@@ -584,6 +609,32 @@ class Consumer:
             # A retry after a settle whose answer was lost with the connection.
             self._count(result.status.value)
         else:
+            context.lost.set()
+            self._count("lost")
+
+    def _retry(self, context: DeliveryContext, error: Exception) -> None:
+        result = self._retrying(
+            lambda: services.retry_delivery(context.lease, error=error, using=self.using),
+            context,
+        )
+        if isinstance(result, Retried):
+            self._count("retried")
+            logger.info(
+                "delivery %s will be retried at %s (attempt %s failed)",
+                context.lease.delivery_id,
+                result.available_at,
+                result.attempts,
+            )
+        elif isinstance(result, Exhausted):
+            self._count("failed")
+            logger.warning(
+                "delivery %s failed: all %s attempts used",
+                context.lease.delivery_id,
+                result.attempts,
+            )
+        else:
+            # A retry whose first answer was lost with the connection lands here too:
+            # its generation was bumped, so the lease is gone either way.
             context.lost.set()
             self._count("lost")
 

@@ -18,16 +18,18 @@ from typing import Any, NoReturn
 from uuid import UUID
 
 from django.db import DatabaseError, connections, transaction
+from django.db.models import Q
 from django.db.models.expressions import RawSQL
 
 from . import lane as _lane
 from . import sql
 from .conf import app_settings
-from .models import WorkflowAgentDelivery
+from .models import StatementTimestamp, WorkflowAgentDelivery
 from .protocol import (
     DeliveryBinding,
     DeliveryRecord,
     EventCause,
+    RecordedError,
     ScheduleCause,
     WebhookCause,
     stored_binding,
@@ -427,6 +429,11 @@ def record(row: Sequence) -> DeliveryRecord:
         claimed_at,
         finished_at,
         created_at,
+        attempts,
+        available_at,
+        last_error_type,
+        last_error_message,
+        last_error_at,
     ) = row
     binding = stored_binding(
         community_id,
@@ -448,6 +455,11 @@ def record(row: Sequence) -> DeliveryRecord:
         finished_at,
         created_at,
         message_event_created_at,
+        attempts,
+        available_at,
+        None
+        if last_error_type is None
+        else RecordedError(last_error_type, last_error_message, last_error_at),
     )
 
 
@@ -458,8 +470,13 @@ _PENDING = RawSQL("'pending'", ())
 
 def _claim_queryset(filters: dict[str, object], using: str):
     # The oldest pending row nobody else holds: a locked row is someone else's
-    # claim in flight, so skip it rather than queue behind it.
-    rows = WorkflowAgentDelivery.objects.using(using).filter(status=_PENDING, **filters)
+    # claim in flight, so skip it rather than queue behind it. A retried row still
+    # backing off is passed over by a filter on the claim index's scan.
+    rows = WorkflowAgentDelivery.objects.using(using).filter(
+        Q(available_at__isnull=True) | Q(available_at__lte=StatementTimestamp()),
+        status=_PENDING,
+        **filters,
+    )
     return rows.order_by("created_at", "id").select_for_update(skip_locked=True).values("id")[:1]
 
 

@@ -16,7 +16,13 @@ from django.db.models import Q
 from django.db.models.functions import Length, Lower
 from django.db.models.lookups import Exact, GreaterThanOrEqual, LessThanOrEqual
 
-from .protocol import CauseKind, DeliveryStatus
+from .protocol import (
+    ERROR_MESSAGE_MAX_LENGTH,
+    ERROR_TRACEBACK_MAX_LENGTH,
+    ERROR_TYPE_MAX_LENGTH,
+    CauseKind,
+    DeliveryStatus,
+)
 
 NIL_UUID = uuid.UUID(int=0)
 
@@ -37,6 +43,26 @@ TERMINAL_STATUSES = [DeliveryStatus.FINISHED.value, DeliveryStatus.FAILED.value]
 
 def _bytes32(field: str, name: str) -> models.CheckConstraint:
     return models.CheckConstraint(condition=Exact(Length(field), 32), name=name)
+
+
+def _error_type_valid(field: str, name: str) -> models.CheckConstraint:
+    """An exception's type name, or none: 1 to ``ERROR_TYPE_MAX_LENGTH`` characters, not blank."""
+    return models.CheckConstraint(
+        condition=Q(**{f"{field}__isnull": True})
+        | (
+            GreaterThanOrEqual(Length(field), 1)
+            & LessThanOrEqual(Length(field), ERROR_TYPE_MAX_LENGTH)
+            & Q(**{f"{field}__regex": r"\S"})
+        ),
+        name=name,
+    )
+
+
+def _at_most(field: str, bound: int, name: str) -> models.CheckConstraint:
+    return models.CheckConstraint(
+        condition=Q(**{f"{field}__isnull": True}) | LessThanOrEqual(Length(field), bound),
+        name=name,
+    )
 
 
 def _tenant_fk(to: str, **kwargs) -> models.ForeignKey:
@@ -222,6 +248,13 @@ class DeliveryQuerySet(models.QuerySet):
     def for_target(self, community_id, target_pubkey: bytes) -> DeliveryQuerySet:
         return self.filter(community_id=community_id, target_pubkey=target_pubkey)
 
+    def claimable(self) -> DeliveryQuerySet:
+        """Pending rows a claim may take now: not backed off past the database clock."""
+        return self.filter(
+            Q(available_at__isnull=True) | Q(available_at__lte=StatementTimestamp()),
+            status=PENDING,
+        )
+
 
 class WorkflowAgentDelivery(models.Model):
     """One canonical delivery of a workflow message to one target agent."""
@@ -248,6 +281,12 @@ class WorkflowAgentDelivery(models.Model):
     claimed_at = models.DateTimeField(null=True, blank=True)
     finished_at = models.DateTimeField(null=True, blank=True)
     created_at = models.DateTimeField(db_default=TransactionNow(), editable=False)
+    # A retried delivery's not-before time (pending only); no claim takes it earlier.
+    available_at = models.DateTimeField(null=True, blank=True)
+    # The last error its holder reported (services.retry_delivery, finish with error).
+    last_error_type = models.TextField(null=True, blank=True)  # noqa: DJ001 (none yet)
+    last_error_message = models.TextField(null=True, blank=True)  # noqa: DJ001 (none yet)
+    last_error_at = models.DateTimeField(null=True, blank=True)
 
     objects = DeliveryQuerySet.as_manager()
 
@@ -324,6 +363,29 @@ class WorkflowAgentDelivery(models.Model):
                 | (~Q(status__in=TERMINAL_STATUSES) & Q(finished_at__isnull=True)),
                 name="wd_delivery_finished_at_iff_terminal",
             ),
+            models.CheckConstraint(
+                condition=Q(available_at__isnull=True) | Q(status=PENDING),
+                name="wd_delivery_available_at_only_pending",
+            ),
+            models.CheckConstraint(
+                condition=Q(
+                    last_error_type__isnull=True,
+                    last_error_message__isnull=True,
+                    last_error_at__isnull=True,
+                )
+                | Q(
+                    last_error_type__isnull=False,
+                    last_error_message__isnull=False,
+                    last_error_at__isnull=False,
+                ),
+                name="wd_delivery_last_error_complete",
+            ),
+            _error_type_valid("last_error_type", "wd_delivery_last_error_type_valid"),
+            _at_most(
+                "last_error_message",
+                ERROR_MESSAGE_MAX_LENGTH,
+                "wd_delivery_last_error_message_length",
+            ),
         ]
         indexes = [
             models.Index(
@@ -363,6 +425,15 @@ class TransitionKind(models.TextChoices):
     RELEASED = "released"
     OPERATOR_FAILED = "operator_failed"
     ATTEMPTS_EXHAUSTED = "attempts_exhausted"
+    RETRIED = "retried"
+
+
+# The kinds whose entry may carry the holder's error (and a retry always does).
+ERROR_KINDS = [
+    TransitionKind.RETRIED.value,
+    TransitionKind.FAILED.value,
+    TransitionKind.ATTEMPTS_EXHAUSTED.value,
+]
 
 
 # The kinds that settle a delivery (the admin overview plots them per minute).
@@ -389,6 +460,10 @@ class DeliveryTransition(models.Model):
     status_before = models.TextField(null=True, blank=True)  # noqa: DJ001 (none before a commit)
     status_after = models.TextField()
     actor = models.TextField()
+    # The holder's error, on a retry or a failure it reported.
+    error_type = models.TextField(null=True, blank=True)  # noqa: DJ001 (most entries)
+    error_message = models.TextField(null=True, blank=True)  # noqa: DJ001 (most entries)
+    error_traceback = models.TextField(null=True, blank=True)  # noqa: DJ001 (most entries)
 
     class Meta:
         db_table = "workflow_delivery_timeline"
@@ -399,6 +474,22 @@ class DeliveryTransition(models.Model):
             ),
             models.CheckConstraint(
                 condition=Q(actor__regex=r"\S"), name="wd_timeline_actor_not_blank"
+            ),
+            models.CheckConstraint(
+                condition=Q(error_type__isnull=True, error_message__isnull=True)
+                & Q(error_traceback__isnull=True)
+                | Q(error_type__isnull=False, error_message__isnull=False),
+                name="wd_timeline_error_complete",
+            ),
+            models.CheckConstraint(
+                condition=(Q(error_type__isnull=True) & ~Q(kind=TransitionKind.RETRIED))
+                | Q(error_type__isnull=False, kind__in=ERROR_KINDS),
+                name="wd_timeline_error_kinds",
+            ),
+            _error_type_valid("error_type", "wd_timeline_error_type_valid"),
+            _at_most("error_message", ERROR_MESSAGE_MAX_LENGTH, "wd_timeline_error_message_length"),
+            _at_most(
+                "error_traceback", ERROR_TRACEBACK_MAX_LENGTH, "wd_timeline_error_traceback_length"
             ),
         ]
         indexes = [

@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import re
 import time
+import traceback
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from enum import StrEnum
@@ -18,6 +19,9 @@ from uuid import UUID
 from .exceptions import ProtocolError
 
 __all__ = [
+    "ERROR_MESSAGE_MAX_LENGTH",
+    "ERROR_TRACEBACK_MAX_LENGTH",
+    "ERROR_TYPE_MAX_LENGTH",
     "MESSAGE_KIND",
     "MESSAGE_V1_MARKER",
     "STEP_ID_MAX_LENGTH",
@@ -29,7 +33,9 @@ __all__ = [
     "DeliveryBinding",
     "DeliveryRecord",
     "DeliveryStatus",
+    "ErrorReport",
     "EventCause",
+    "Exhausted",
     "FinishResult",
     "Lease",
     "LeaseLost",
@@ -38,9 +44,12 @@ __all__ = [
     "Outcome",
     "ProtocolError",
     "Reaped",
+    "RecordedError",
     "RenewResult",
     "Renewed",
     "RequestAdmission",
+    "Retried",
+    "RetryResult",
     "ScheduleCause",
     "Settled",
     "Tags",
@@ -50,6 +59,7 @@ __all__ = [
     "as_datetime",
     "as_step_id",
     "as_uuid",
+    "error_report",
     "message_v1_targets",
     "new_delivery_id",
 ]
@@ -58,6 +68,10 @@ MESSAGE_KIND = 9
 WAKE_HINT_KIND = 24620
 MESSAGE_V1_MARKER = "message-v1"
 STEP_ID_MAX_LENGTH = 64
+# The bounds of a recorded error, in characters (the tables' CHECKs hold them too).
+ERROR_TYPE_MAX_LENGTH = 200
+ERROR_MESSAGE_MAX_LENGTH = 2000
+ERROR_TRACEBACK_MAX_LENGTH = 16000
 
 Tags: TypeAlias = list[list[str]]
 
@@ -310,8 +324,23 @@ class Lease:
 
 
 @dataclass(frozen=True, slots=True)
+class RecordedError:
+    """The last error a holder reported for a delivery (a retry or a failure):
+    the exception's type, its message, and when, by the database clock. Its
+    traceback is in the delivery's timeline entry of that moment."""
+
+    type: str
+    message: str
+    at: datetime
+
+
+@dataclass(frozen=True, slots=True)
 class DeliveryRecord:
-    """A delivery as stored."""
+    """A delivery as stored.
+
+    ``attempts`` counts its claims. ``available_at`` is set only on a pending
+    delivery a holder gave back to be retried: no claim takes it before then.
+    ``last_error`` is the last error reported for it (kept once it settles)."""
 
     id: UUID
     binding: DeliveryBinding
@@ -322,6 +351,9 @@ class DeliveryRecord:
     finished_at: datetime | None
     created_at: datetime
     message_event_created_at: datetime
+    attempts: int = 0
+    available_at: datetime | None = None
+    last_error: RecordedError | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -401,8 +433,86 @@ class LeaseLost:
     """The lease no longer lets its holder act: expired, reaped, superseded or not its target."""
 
 
+@dataclass(frozen=True, slots=True)
+class Retried:
+    """The delivery went back to pending with its error kept; no claim takes it
+    before ``available_at`` (database clock). ``attempts`` is the claims used so far."""
+
+    available_at: datetime
+    attempts: int
+
+
+@dataclass(frozen=True, slots=True)
+class Exhausted:
+    """The delivery had used every attempt (``WORKFLOW_DELIVERY_MAX_ATTEMPTS``): it
+    settled ``failed`` with its error kept, as the reaper settles such a lease."""
+
+    attempts: int
+
+
 RenewResult: TypeAlias = Renewed | LeaseLost
 FinishResult: TypeAlias = Settled | AlreadyTerminal | LeaseLost
+RetryResult: TypeAlias = Retried | Exhausted | LeaseLost
+
+
+@dataclass(frozen=True, slots=True)
+class ErrorReport:
+    """An error as it is recorded: type, message and traceback (or None), each
+    within its bound, as text PostgreSQL stores (no NUL, valid UTF-8)."""
+
+    type: str
+    message: str
+    traceback: str | None
+
+
+def _storable(text: str, bound: int) -> str:
+    """``text`` as PostgreSQL's ``text`` takes it, cut to ``bound`` characters (the
+    cut marked with an ellipsis)."""
+    text = text.replace("\x00", "\\x00")
+    if not text.isascii():
+        # A lone surrogate (from undecodable bytes) cannot be sent as UTF-8.
+        text = text.encode("utf-8", "backslashreplace").decode("utf-8")
+    if len(text) > bound:
+        text = text[: bound - 1] + "…"
+    return text
+
+
+def _type_name(error: BaseException) -> str:
+    kind = type(error)
+    module = kind.__module__
+    name = kind.__qualname__
+    return name if module in ("builtins", "__main__") else f"{module}.{name}"
+
+
+def error_report(error: object) -> ErrorReport:
+    """What is recorded of ``error``: an exception (its qualified type, its message,
+    its traceback with its causes, as ``traceback`` formats it), or a non-blank
+    string given as the reason (type ``error``, no traceback). Anything longer than
+    its bound is cut; anything else is a ``ProtocolError`` naming ``error``."""
+    if isinstance(error, BaseException):
+        try:
+            message = str(error)
+        except Exception:  # noqa: BLE001 - an exception whose __str__ itself fails
+            message = f"<{type(error).__name__} whose message cannot be read>"
+        formatted = None
+        if error.__traceback__ is not None or error.__cause__ or error.__context__:
+            formatted = "".join(traceback.format_exception(error))
+        return ErrorReport(
+            type=_storable(_type_name(error), ERROR_TYPE_MAX_LENGTH),
+            message=_storable(message, ERROR_MESSAGE_MAX_LENGTH),
+            traceback=None
+            if formatted is None
+            else _storable(formatted, ERROR_TRACEBACK_MAX_LENGTH),
+        )
+    if not isinstance(error, str):
+        raise ProtocolError(
+            "error", f"must be an exception or a string, not {type(error).__name__}"
+        )
+    if not error.strip():
+        raise ProtocolError("error", "must not be blank")
+    return ErrorReport(
+        type="error", message=_storable(error, ERROR_MESSAGE_MAX_LENGTH), traceback=None
+    )
 
 
 def new_delivery_id() -> UUID:

@@ -1,4 +1,5 @@
-"""Every state change of a delivery: identity lock + commit, claim, renew, finish, reap.
+"""Every state change of a delivery: identity lock + commit, claim, renew, finish,
+retry, reap.
 
 Functions own their transaction (or join the caller's), take the database clock
 for every time, and return frozen values from ``protocol``. Expected outcomes (a
@@ -22,6 +23,7 @@ from . import counters, db, sql
 from .conf import (
     LEASE_SECONDS_BOUND,
     app_settings,
+    is_delay_seconds,
     is_whole_number,
     is_yield_ratio,
     parse_duration,
@@ -33,6 +35,7 @@ from .exceptions import (
     LeaseLostError,
     ProtocolError,
     StepIdentityClosed,
+    WorkflowDeliveryConfigurationError,
 )
 from .models import Event, WorkflowAgentDelivery
 from .protocol import (
@@ -40,6 +43,7 @@ from .protocol import (
     DeliveryBinding,
     DeliveryRecord,
     DeliveryStatus,
+    Exhausted,
     Lease,
     LeaseLost,
     MessageEvent,
@@ -48,11 +52,13 @@ from .protocol import (
     Reaped,
     Renewed,
     RequestAdmission,
+    Retried,
     Settled,
     as_bytes32,
     as_datetime,
     as_step_id,
     as_uuid,
+    error_report,
     stored_lease,
 )
 
@@ -84,6 +90,7 @@ __all__ = [
     "release_deliveries",
     "release_lease",
     "renew_delivery",
+    "retry_delivery",
 ]
 
 
@@ -434,13 +441,29 @@ def renew_delivery(
 
 
 def finish_delivery(
-    lease: Lease, outcome: Outcome | str, *, using: str = DEFAULT_DB_ALIAS
+    lease: Lease,
+    outcome: Outcome | str,
+    *,
+    error: str | BaseException | None = None,
+    using: str = DEFAULT_DB_ALIAS,
 ) -> Settled | AlreadyTerminal | LeaseLost:
     """Settle the delivery once. A retry by the same capability after a settle
-    reports the recorded status; anyone else gets LeaseLost."""
+    reports the recorded status; anyone else gets LeaseLost.
+
+    ``error`` (only with ``failed``) is kept as the delivery's last error, as
+    ``retry_delivery`` keeps it, and the timeline's ``failed`` entry carries it with
+    its traceback: a failure for good, never retried."""
     params = _lease_params(lease)
     outcome = _outcome(outcome)
-    if db.fetch(using, sql.FINISH, [outcome.value, *params]):
+    if error is not None:
+        if outcome is not Outcome.FAILED:
+            raise ProtocolError("error", "only a failed outcome records an error")
+        report = error_report(error)
+        statement = sql.FAIL_WITH_ERROR
+        values = [report.traceback or "", report.type, report.message, *params]
+    else:
+        statement, values = sql.FINISH, [outcome.value, *params]
+    if db.fetch(using, statement, values):
         counters.SETTLED[outcome.value].inc()
         return Settled(outcome=outcome)
     # Nothing settled: look at the row by the caller's full capability (same
@@ -450,6 +473,62 @@ def finish_delivery(
         return AlreadyTerminal(status=DeliveryStatus(rows[0][0]))
     counters.LEASES_LOST.inc()
     return LeaseLost()
+
+
+def _backoff_setting(name: str) -> float:
+    value = getattr(app_settings, name)
+    if not is_delay_seconds(value):
+        raise WorkflowDeliveryConfigurationError(
+            f"WORKFLOW_DELIVERY_{name} must be a number of seconds from 0 to "
+            f"{LEASE_SECONDS_BOUND}, not {value!r}"
+        )
+    return float(value)
+
+
+def retry_delivery(
+    lease: Lease,
+    *,
+    error: str | BaseException,
+    delay_seconds: float | None = None,
+    using: str = DEFAULT_DB_ALIAS,
+) -> Retried | Exhausted | LeaseLost:
+    """Give a live lease back after a failed attempt, in one statement: the delivery
+    returns to pending with its fence bumped (the lease is dead), keeps ``error`` as
+    its last error (an exception's type and message, or a string; the traceback goes
+    to its timeline entry, ``retried``), and no claim takes it before
+    ``Retried.available_at``, ``delay_seconds`` from now by the database clock.
+
+    Without ``delay_seconds`` the wait grows with the attempts used:
+    min(``WORKFLOW_DELIVERY_RETRY_BACKOFF_MAX_SECONDS``,
+    ``WORKFLOW_DELIVERY_RETRY_BACKOFF_SECONDS`` * 2^(attempts - 1)), times a random
+    factor from 0.5 to 1. A delivery that has used ``WORKFLOW_DELIVERY_MAX_ATTEMPTS``
+    claims is settled ``failed`` instead (``Exhausted``; its timeline entry is
+    ``attempts_exhausted``), as the reaper settles such a lease. A lease that is no
+    longer live changes nothing (``LeaseLost``).
+
+    Only a live lease is retried: a settled delivery never reopens. To try a failed
+    delivery again, commit a new delivery for the same message under a new step id."""
+    params = _lease_params(lease)
+    report = error_report(error)
+    if delay_seconds is not None and not is_delay_seconds(delay_seconds):
+        raise ProtocolError(
+            "delay_seconds",
+            f"must be a number of seconds from 0 to {LEASE_SECONDS_BOUND}, not {delay_seconds!r}",
+        )
+    base = _backoff_setting("RETRY_BACKOFF_SECONDS")
+    most = _backoff_setting("RETRY_BACKOFF_MAX_SECONDS")
+    delay = None if delay_seconds is None else float(delay_seconds)
+    values = [report.traceback or "", report.type, report.message]
+    values += [_max_attempts(), delay, base, most, *params]
+    rows = db.fetch(using, sql.RETRY, values)
+    if not rows:
+        counters.LEASES_LOST.inc()
+        return LeaseLost()
+    status, available_at, attempts = rows[0]
+    if status == DeliveryStatus.FAILED:
+        counters.SETTLED[Outcome.FAILED.value].inc()
+        return Exhausted(attempts=attempts)
+    return Retried(available_at=available_at, attempts=attempts)
 
 
 class Held:

@@ -70,6 +70,11 @@ RECORD_COLUMNS = [
     "claimed_at",
     "finished_at",
     "created_at",
+    "attempts",
+    "available_at",
+    "last_error_type",
+    "last_error_message",
+    "last_error_at",
 ]
 _RETURNING = ", ".join(f"d.{_q(column)}" for column in RECORD_COLUMNS)
 # The columns a producer writes, the first of the record's, with their types.
@@ -251,7 +256,8 @@ UPDATE {DELIVERIES} AS d
    SET status = 'claimed',
        lease_generation = d.lease_generation + 1,
        claimed_at = stamp.at,
-       lease_until = stamp.at + make_interval(secs => %s)
+       lease_until = stamp.at + make_interval(secs => %s),
+       available_at = NULL
   FROM picked, stamp
  WHERE d.id = picked.id
 RETURNING {_RETURNING}
@@ -262,11 +268,13 @@ RETURNING {_RETURNING}
 # each with its own (incremented) generation, stamped by clock_timestamp() as the
 # single claim is: inside a caller's long transaction the lease starts when the claim
 # takes the row, not when the transaction began. The literal 'pending' lets a generic
-# plan use the claim index.
+# plan use the claim index; a retried row still backing off is skipped by a filter on
+# that index scan.
 CLAIM_BATCH = f"""
 WITH picked AS (
     SELECT id FROM {DELIVERIES}
      WHERE community_id = %s AND target_pubkey = %s AND status = 'pending'
+       AND (available_at IS NULL OR available_at <= statement_timestamp())
      ORDER BY created_at, id
      LIMIT %s
      FOR UPDATE SKIP LOCKED
@@ -276,7 +284,8 @@ UPDATE {DELIVERIES} AS d
    SET status = 'claimed',
        lease_generation = d.lease_generation + 1,
        claimed_at = stamp.at,
-       lease_until = stamp.at + make_interval(secs => %s)
+       lease_until = stamp.at + make_interval(secs => %s),
+       available_at = NULL
   FROM picked, stamp
  WHERE d.id = picked.id
 RETURNING {_RETURNING}
@@ -338,6 +347,52 @@ UPDATE {DELIVERIES}
    SET status = %s, {_SETTLE}
  WHERE {_LIVE_LEASE}
 RETURNING status
+"""
+
+# The traceback of the error a statement records, for the timeline trigger (migration
+# 0014), which reads it only for rows whose error that statement wrote. Set before any
+# row is written; transaction-local, so in autocommit it ends with the statement.
+_ERROR_NOTE = (
+    "note AS MATERIALIZED "
+    "(SELECT set_config('workflow_delivery.error_traceback', %s, true) AS traceback)"
+)
+_RECORD_ERROR = (
+    "last_error_type = %s, last_error_message = %s, last_error_at = statement_timestamp()"
+)
+
+# A holder's failed attempt, in one statement under the four conditions of a live
+# lease: back to pending with the fence bumped, the error kept, and no claim before
+# ``available_at``; or, once the delivery has used every attempt (the cap, NULL for
+# none), settled failed as the reaper settles such a lease. The wait is the caller's
+# delay if given, else min(most, base * 2^(attempts - 1)) times a random factor from
+# 0.5 to 1, so retries of many deliveries that failed together spread out.
+RETRY = f"""
+WITH {_ERROR_NOTE}
+UPDATE {DELIVERIES} AS d
+   SET status = CASE WHEN d.attempts >= p.cap THEN 'failed' ELSE 'pending' END,
+       lease_generation = d.lease_generation + 1, lease_until = NULL, claimed_at = NULL,
+       finished_at = CASE WHEN d.attempts >= p.cap THEN statement_timestamp() END,
+       available_at = CASE WHEN d.attempts >= p.cap THEN NULL
+           ELSE statement_timestamp() + make_interval(secs => coalesce(
+               p.delay,
+               least(p.most, p.base * power(2::float8, least(greatest(d.attempts - 1, 0), 60)))
+               * (0.5 + random() / 2)))
+       END,
+       {_RECORD_ERROR}
+  FROM note, (SELECT %s::integer AS cap, %s::float8 AS delay, %s::float8 AS base,
+                     %s::float8 AS most) AS p
+ WHERE {_LIVE_LEASE}
+RETURNING d.status, d.available_at, d.attempts
+"""
+
+# A holder's own failure, with its error: FINISH's settle, recording the error too.
+FAIL_WITH_ERROR = f"""
+WITH {_ERROR_NOTE}
+UPDATE {DELIVERIES} AS d
+   SET status = 'failed', {_SETTLE}, {_RECORD_ERROR}
+  FROM note
+ WHERE {_LIVE_LEASE}
+RETURNING d.status
 """
 
 # holding(): the same four conditions against each statement's own clock. Inside the
@@ -505,7 +560,8 @@ RETURNING d.id
 # generation is bumped too, so a live holder's finish gets LeaseLost rather than an
 # AlreadyTerminal it could mistake for its own earlier settle.
 MARK_FAILED = f"""{_OPERABLE}
-   SET status = 'failed', lease_generation = d.lease_generation + 1, {_SETTLE}
+   SET status = 'failed', lease_generation = d.lease_generation + 1, {_SETTLE},
+       available_at = NULL
  WHERE d.community_id = %s AND d.id = ANY(%s) AND d.status IN ('pending', 'claimed')
    AND (SELECT ok FROM operable)
 RETURNING d.id

@@ -30,7 +30,13 @@ from django.utils import timezone
 from workflow_delivery import fence, services
 from workflow_delivery.api import nip98
 from workflow_delivery.client import AgentClient
-from workflow_delivery.consumer import Consumer, ConsumerStats, DeliveryContext, Handler
+from workflow_delivery.consumer import (
+    Consumer,
+    ConsumerStats,
+    DeliveryContext,
+    Handler,
+    PermanentFailure,
+)
 from workflow_delivery.consumer import logger as consumer_logger
 from workflow_delivery.exceptions import AgentApiError
 from workflow_delivery.models import (
@@ -307,8 +313,9 @@ def ensure_superuser(username: str, password: str) -> bool:
     return created
 
 
-class SimulatedFailure(Exception):
-    """Raised by a simulated handler for the one delivery in ten it fails."""
+class SimulatedFailure(PermanentFailure):
+    """Raised by a simulated handler for the one delivery in ten it fails (for good:
+    a ``PermanentFailure``, so it is not retried)."""
 
 
 class _QuietSimulatedFailures(logging.Filter):

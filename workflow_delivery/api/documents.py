@@ -19,6 +19,7 @@ from ..protocol import (
     EventCause,
     Lease,
     MessageEvent,
+    RecordedError,
     ScheduleCause,
     WebhookCause,
 )
@@ -94,6 +95,9 @@ def delivery_document(
         claimed_at=instant(record.claimed_at),
         finished_at=instant(record.finished_at),
         created_at=instant(record.created_at),
+        attempts=record.attempts,
+        available_at=instant(record.available_at),
+        last_error=_error_document(record.last_error),
     )
     if message is not None:
         document["message"] = message_document(message)
@@ -124,6 +128,18 @@ def parse_message(document: dict | None) -> MessageEvent | None:
     )
 
 
+def _error_document(error: RecordedError | None) -> dict[str, object] | None:
+    if error is None:
+        return None
+    return {"type": error.type, "message": error.message, "at": instant(error.at)}
+
+
+def _parse_error(document: dict | None) -> RecordedError | None:
+    if document is None:
+        return None
+    return RecordedError(document["type"], document["message"], parse_instant(document["at"]))
+
+
 def parse_delivery(document: dict) -> DeliveryRecord:
     binding = DeliveryBinding(
         community_id=UUID(document["community_id"]),
@@ -145,6 +161,10 @@ def parse_delivery(document: dict) -> DeliveryRecord:
         finished_at=parse_instant(document["finished_at"]),
         created_at=parse_instant(document["created_at"]),
         message_event_created_at=parse_instant(document["message_event_created_at"]),
+        # Absent from a server that predates retries.
+        attempts=document.get("attempts", 0),
+        available_at=parse_instant(document.get("available_at")),
+        last_error=_parse_error(document.get("last_error")),
     )
 
 

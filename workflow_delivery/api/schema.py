@@ -149,6 +149,12 @@ class MessageOut(Schema):
     content: str
 
 
+class LastErrorOut(Schema):
+    type: str
+    message: str
+    at: Instant
+
+
 class DeliveryOut(Schema):
     id: Uuid
     community_id: Uuid
@@ -169,6 +175,9 @@ class DeliveryOut(Schema):
     message: MessageOut | None = Field(
         None, description="the message event, answered to the delivery's target only"
     )
+    attempts: int = 0
+    available_at: Instant | None = None
+    last_error: LastErrorOut | None = None
 
 
 class LeaseOut(Schema):

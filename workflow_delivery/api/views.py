@@ -304,15 +304,16 @@ def _prepare_wait(caller: Caller) -> UUID | None:
 
 
 def _pending_delivery(caller: Caller, *, register_idle: bool = False) -> UUID | None:
-    """The caller's oldest pending delivery, or None; with ``register_idle``, asked
-    once the caller's target is registered as idle. The request's connection is then
-    released so the wait itself holds none."""
+    """The caller's oldest claimable delivery (pending and not backing off after a
+    retry), or None; with ``register_idle``, asked once the caller's target is
+    registered as idle. The request's connection is then released so the wait itself
+    holds none."""
     with wait_gate:
         try:
             if register_idle:
                 services.register_idle(caller.community_id, [caller.pubkey])
             return (
-                WorkflowAgentDelivery.objects.pending()
+                WorkflowAgentDelivery.objects.claimable()
                 .for_target(caller.community_id, caller.pubkey)
                 .order_by("created_at", "id")
                 .values_list("id", flat=True)

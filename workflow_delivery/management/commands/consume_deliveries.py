@@ -23,7 +23,9 @@ class Command(BaseCommand):
     help = (
         "Claim and handle the deliveries of one or more targets in a community: the "
         "handler (a dotted path to a callable taking record, lease, context) runs under "
-        "a heartbeat; returning settles finished, raising settles failed. Stops on "
+        "a heartbeat; returning settles finished, raising gives the delivery back to be "
+        "retried after a backoff (until WORKFLOW_DELIVERY_MAX_ATTEMPTS, then failed), "
+        "raising workflow_delivery.consumer.PermanentFailure settles failed. Stops on "
         "SIGTERM or SIGINT (in-flight handlers get a grace period, then their leases "
         "are released; a second signal exits at once)."
     )

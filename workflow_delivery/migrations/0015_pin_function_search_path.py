@@ -166,7 +166,7 @@ $$;
 
 
 class Migration(migrations.Migration):
-    dependencies = [("workflow_delivery", "0011_statement_level_timeline")]
+    dependencies = [("workflow_delivery", "0014_retry_backoff")]
 
     operations = [
         migrations.RunSQL(sql=EXECUTOR_AUTHORITY, reverse_sql=REVERSE_EXECUTOR_AUTHORITY),
