@@ -17,7 +17,6 @@ from django.test import Client, override_settings
 from django.urls import reverse
 
 from tests import factories
-from tests.agent_http import pubkey, secret, signed
 from workflow_delivery import checks, services, sql
 from workflow_delivery.api import documents
 from workflow_delivery.api.wake import hub
@@ -442,7 +441,10 @@ def test_a_retry_entry_always_carries_an_error():
 # -- the record, the API, the checks -------------------------------------------------
 
 
+@pytest.mark.psycopg3  # the agent API's test helpers sign with the bench's psycopg 3 tools
 def test_get_delivery_and_the_api_document_carry_the_last_error(settings):
+    from tests.agent_http import pubkey, secret, signed
+
     settings.ALLOWED_HOSTS = ["*"]
     key = secret()
     step, delivery_id = one_delivery(targets=[pubkey(key)])
