@@ -37,7 +37,7 @@ from django.utils.dateformat import format as date_format
 from django.utils.html import format_html, format_html_join
 from django.utils.safestring import SafeString
 
-from . import fence, metrics, overview, services
+from . import admin_target, fence, metrics, overview, services
 from .exceptions import CommunityNotFound, InvalidLifecycleTransition
 from .models import (
     STATUSES,
@@ -512,7 +512,7 @@ class DeliveryAdmin(ReadOnlyAdmin):
         "status",
         community_link,
         "step_id",
-        hex_field("target_pubkey", short=True),
+        "target_link",
         "attempts",
         "generation",
         "lease_expiry_short",
@@ -545,7 +545,16 @@ class DeliveryAdmin(ReadOnlyAdmin):
                 ]
             },
         ),
-        (None, {"fields": [hex_field("target_pubkey"), hex_field("definition_event_id")]}),
+        (
+            None,
+            {
+                "fields": [
+                    hex_field("target_pubkey"),
+                    "target_state_link",
+                    hex_field("definition_event_id"),
+                ]
+            },
+        ),
         ("Message", {"fields": ["message_event_link", time_field("message_event_created_at")]}),
         (
             "Cause",
@@ -588,6 +597,21 @@ class DeliveryAdmin(ReadOnlyAdmin):
     @admin.display(description="run", ordering="run_id")
     def run_link(self, obj: WorkflowAgentDelivery) -> SafeString:
         return _link(WorkflowRun, obj.run_id, _short(str(obj.run_id), keep=8))
+
+    @admin.display(description="target pubkey", ordering="target_pubkey")
+    def target_link(self, obj: WorkflowAgentDelivery) -> SafeString:
+        """The target's start, linked to its "why not delivered?" page."""
+        url = admin_target.target_url(obj.community_id, obj.target_pubkey)
+        return format_html('<a href="{}">{}</a>', url, _short(_hex(obj.target_pubkey)))
+
+    @admin.display(description="why not delivered?")
+    def target_state_link(self, obj: WorkflowAgentDelivery) -> SafeString:
+        url = admin_target.target_url(obj.community_id, obj.target_pubkey)
+        return format_html(
+            '<a href="{}" class="wd-target-link">{}</a>',
+            url,
+            "this target in this community: pending, leases, last claim and settle, verdict",
+        )
 
     @admin.display(description="message event")
     def message_event_link(self, obj: WorkflowAgentDelivery) -> SafeString:
@@ -761,11 +785,19 @@ class DeliveryAdmin(ReadOnlyAdmin):
         }
         return TemplateResponse(request, "admin/workflow_delivery/overview.html", context)
 
+    def target_view(self, request: HttpRequest, community_id: str, target: str) -> HttpResponse:
+        return admin_target.target_view(self, request, community_id, target)
+
     def get_urls(self) -> list:
         view = self.admin_site.admin_view
         return [
             path("overview/", view(self.overview_view), name="workflow_delivery_overview"),
             path("reap/", view(self.reap_view), name="workflow_delivery_reap"),
+            path(
+                "target/<str:community_id>/<str:target>/",
+                view(self.target_view),
+                name=admin_target.URL_NAME,
+            ),
             *super().get_urls(),
         ]
 

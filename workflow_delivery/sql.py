@@ -631,6 +631,115 @@ SELECT minutes.m, count(t.id)
  GROUP BY minutes.m ORDER BY minutes.m
 """
 
+# The admin's "why not delivered?" for one (community, target), in one statement, by
+# the database clock. Pending rows come from the claim index and claimed rows from the
+# community's reap index; terminal rows have no index by target, so settles are read
+# from the community's ``window`` most recent (two backward scans of the settled
+# index, one per terminal status) and only those are searched for the target. The last
+# claim is the newest 'claimed' timeline entry of the target's claimed rows, its
+# settles in that window and its ``window`` newest pending rows already claimed once
+# (a probe of the timeline index each), or a claimed row's own ``claimed_at``.
+_ERROR_COLUMNS = "last_error_type, last_error_message, last_error_at"
+_SETTLE_ROW = f"id, target_pubkey, status, attempts, finished_at, {_ERROR_COLUMNS}"
+TARGET_STATE = f"""
+WITH community AS (
+    SELECT host, deletion_state FROM {COMMUNITIES} WHERE id = %(community)s
+),
+pending AS (
+    SELECT count(*) AS total,
+           count(*) FILTER (WHERE available_at > statement_timestamp()) AS backing_off,
+           min(available_at) FILTER (WHERE available_at > statement_timestamp()) AS next_at,
+           min(created_at) AS oldest
+      FROM {DELIVERIES}
+     WHERE community_id = %(community)s AND target_pubkey = %(target)s AND status = 'pending'
+),
+held AS MATERIALIZED (
+    SELECT id, claimed_at, lease_until, {_ERROR_COLUMNS}
+      FROM {DELIVERIES}
+     WHERE community_id = %(community)s AND status = 'claimed' AND target_pubkey = %(target)s
+),
+claimed AS (
+    SELECT count(*) AS total,
+           count(*) FILTER (WHERE lease_until < statement_timestamp()) AS expired,
+           min(lease_until) FILTER (WHERE lease_until < statement_timestamp()) AS first_expired,
+           max(lease_until) FILTER (WHERE lease_until >= statement_timestamp()) AS live_until,
+           max(claimed_at) AS last_claimed
+      FROM held
+),
+recent AS MATERIALIZED (
+    SELECT * FROM (
+        (SELECT {_SETTLE_ROW} FROM {DELIVERIES}
+          WHERE community_id = %(community)s AND status = 'finished'
+          ORDER BY finished_at DESC LIMIT %(window)s)
+        UNION ALL
+        (SELECT {_SETTLE_ROW} FROM {DELIVERIES}
+          WHERE community_id = %(community)s AND status = 'failed'
+          ORDER BY finished_at DESC LIMIT %(window)s)
+    ) AS settles
+     ORDER BY finished_at DESC LIMIT %(window)s
+),
+settled AS (
+    SELECT count(*) AS window_rows, min(finished_at) AS window_since,
+           count(*) FILTER (WHERE target_pubkey = %(target)s) AS total,
+           max(finished_at) FILTER (WHERE target_pubkey = %(target)s) AS last_settled,
+           count(*) FILTER (
+               WHERE target_pubkey = %(target)s AND status = 'failed' AND attempts >= %(cap)s
+           ) AS exhausted
+      FROM recent
+),
+error AS (
+    SELECT * FROM (
+        SELECT {_ERROR_COLUMNS} FROM {DELIVERIES}
+         WHERE community_id = %(community)s AND target_pubkey = %(target)s
+           AND status = 'pending' AND last_error_at IS NOT NULL
+        UNION ALL
+        SELECT {_ERROR_COLUMNS} FROM held WHERE last_error_at IS NOT NULL
+        UNION ALL
+        SELECT {_ERROR_COLUMNS} FROM recent
+         WHERE target_pubkey = %(target)s AND last_error_at IS NOT NULL
+    ) AS errors
+     ORDER BY last_error_at DESC LIMIT 1
+),
+claim AS (
+    SELECT max(entry.at) AS last_claimed
+      FROM (
+            SELECT id FROM held
+            UNION ALL
+            SELECT id FROM recent WHERE target_pubkey = %(target)s
+            UNION ALL
+            (SELECT id FROM {DELIVERIES}
+              WHERE community_id = %(community)s AND target_pubkey = %(target)s
+                AND status = 'pending' AND lease_generation > 0
+              ORDER BY created_at DESC LIMIT %(window)s)
+      ) AS seen
+     CROSS JOIN LATERAL (
+           SELECT t.at FROM {TIMELINE} AS t
+            WHERE t.community_id = %(community)s AND t.delivery_id = seen.id
+              AND t.kind = 'claimed'
+            ORDER BY t.id DESC LIMIT 1
+     ) AS entry
+),
+idle AS (
+    SELECT registered_at FROM {IDLE}
+     WHERE community_id = %(community)s AND target_pubkey = %(target)s
+)
+SELECT statement_timestamp(), community.host, community.deletion_state,
+       pending.total, pending.backing_off, pending.next_at, pending.oldest,
+       claimed.total, claimed.expired, claimed.first_expired, claimed.live_until,
+       greatest(claimed.last_claimed, claim.last_claimed),
+       settled.window_rows, settled.window_since, settled.total, settled.last_settled,
+       settled.exhausted,
+       error.last_error_type, error.last_error_message, error.last_error_at,
+       idle.registered_at
+  FROM pending
+ CROSS JOIN claimed
+ CROSS JOIN settled
+ CROSS JOIN claim
+  LEFT JOIN community ON true
+  LEFT JOIN error ON true
+  LEFT JOIN idle ON true
+"""
+
 # The agent API's freshness check and replay guard in one statement, both by the
 # database clock: a fresh event's id is recorded, and ON CONFLICT makes a second
 # arrival of the same event (from any process, at the same instant, for any
