@@ -38,7 +38,8 @@ def headline(text: str) -> tuple[str, str]:
 
 
 def verdict_kinds(text: str) -> list[str]:
-    return re.findall(r'<li data-verdict="([a-z]+)">', text)
+    """The headline's kind, then the others'."""
+    return [headline(text)[0], *re.findall(r'<li data-verdict="([a-z]+)">', text)]
 
 
 def figure(text: str, name: str) -> str:
@@ -282,14 +283,19 @@ def test_it_needs_the_delivery_lists_view_permission(client, django_user_model):
 
 
 def test_a_deliverys_page_and_the_list_link_to_it(admin_client):
-    step = factories.Step(targets=1)
-    (delivery_id,) = committed(step)
+    step = factories.Step(targets=2)
+    delivery_id, _ = committed(step)
+    committed(factories.Step(targets=[step.targets[0]]))  # the same key in another community
     url = target_url(step.community.id, step.targets[0])
     detail = admin_client.get(change(WorkflowAgentDelivery, delivery_id)).content.decode()
     assert f'<a href="{url}" class="wd-target-link">' in detail
     listing = admin_client.get(changelist(WorkflowAgentDelivery)).content.decode()
     assert f'<a href="{url}">' in listing
-    assert admin_client.get(url).status_code == 200
+    response = admin_client.get(url)
+    assert response.status_code == 200
+    back = admin_client.get(response.context["deliveries_url"])
+    assert back.status_code == 200
+    assert [row.pk for row in back.context["cl"].result_list] == [delivery_id]
 
 
 @pytest.mark.parametrize(

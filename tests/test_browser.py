@@ -156,3 +156,36 @@ def test_operator_reads_the_overview_the_list_at_1400px_and_a_timeline(
     assert kinds == ["committed", "claimed", "finished"]
     browser.execute_script("arguments[0].scrollIntoView()", timeline)
     browser.save_screenshot(str(screenshots / "timeline.png"))
+
+
+@pytest.mark.browser
+def test_operator_follows_a_deliverys_link_to_why_it_is_not_delivered(
+    browser, live_server, django_user_model, screenshots
+):
+    django_user_model.objects.create_superuser("operator", password=PASSWORD)
+    step = factories.Step(targets=1)
+    (delivery_id,) = services.commit_deliveries(
+        step.community.id, step.created_at, step.new_deliveries()
+    )
+    lease, _ = services.claim_delivery(step.community.id, step.targets[0])
+    services.retry_delivery(lease, error=KeyError("step_id"), delay_seconds=600)
+    wait = WebDriverWait(browser, 30)
+    browser.set_window_size(1400, 900)
+
+    log_in(
+        browser,
+        live_server,
+        f"/admin/workflow_delivery/workflowagentdelivery/{delivery_id}/change/",
+    )
+    wait.until(
+        expected_conditions.presence_of_element_located((By.CSS_SELECTOR, "a.wd-target-link"))
+    )
+    browser.find_element(By.CSS_SELECTOR, "a.wd-target-link").click()
+    verdict = wait.until(
+        expected_conditions.presence_of_element_located((By.CSS_SELECTOR, "p.wd-verdict"))
+    )
+    assert verdict.get_attribute("data-verdict") == "backoff"
+    assert verdict.text.startswith("1 delivery is waiting for its retry backoff until ")
+    error = browser.find_element(By.CSS_SELECTOR, 'td[data-figure="last-error"]')
+    assert error.text.startswith("KeyError: ")
+    browser.save_screenshot(str(screenshots / "target.png"))
