@@ -281,6 +281,9 @@ class WorkflowAgentDelivery(models.Model):
     claimed_at = models.DateTimeField(null=True, blank=True)
     finished_at = models.DateTimeField(null=True, blank=True)
     created_at = models.DateTimeField(db_default=TransactionNow(), editable=False)
+    # When it was last claimed, kept after the lease ends; set by the database at each
+    # claim and by nothing else (``wd_delivery_last_claimed_at_by_claims``).
+    last_claimed_at = models.DateTimeField(null=True, blank=True, editable=False)
     # A retried delivery's not-before time (pending only); no claim takes it earlier.
     available_at = models.DateTimeField(null=True, blank=True)
     # The last error its holder reported (services.retry_delivery, finish with error).
