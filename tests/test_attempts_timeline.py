@@ -5,6 +5,7 @@ implies."""
 
 from __future__ import annotations
 
+import re
 import uuid
 from io import StringIO
 
@@ -12,6 +13,7 @@ import pytest
 from django.core.management import call_command
 from django.db import connection, transaction
 from django.test import override_settings
+from django.urls import reverse
 
 from tests import factories
 from workflow_delivery import fence, history, services, sql
@@ -454,3 +456,30 @@ def test_the_timeline_can_be_turned_off_for_the_apps_sessions(settings):
     ]  # fmt: skip
     delivery = WorkflowAgentDelivery.objects.get(pk=other_id)
     assert history.unrecorded_attempts(entries(other_id), delivery) == 0
+
+
+def shown_kinds(admin_client, delivery_id: uuid.UUID) -> tuple[list[str], str]:
+    """The kinds in the delivery page's timeline table, in order, and the page."""
+    url = reverse("admin:workflow_delivery_workflowagentdelivery_change", args=[delivery_id])
+    page = admin_client.get(url).content.decode()
+    table = page[page.index('class="wd-timeline"') :]
+    table = table[: table.index("</table>")]
+    return re.findall(r"<tr><td>[^<]*</td><td>(\w+)</td>", table), page
+
+
+def test_the_admin_shows_a_finished_deliverys_whole_history(admin_client):
+    step, delivery_id = one_delivery()
+    services.finish_delivery(claim(step), "finished")
+    kinds, page = shown_kinds(admin_client, delivery_id)
+    assert kinds == ["committed", "claimed", "finished"]
+    assert "wd-timeline-gap" not in page
+
+
+def test_the_admin_says_how_many_attempts_the_timeline_missed(admin_client, settings):
+    settings.WORKFLOW_DELIVERY_TIMELINE = False
+    step, delivery_id = one_delivery()
+    run_with_a_reap(step, delivery_id)
+    settings.WORKFLOW_DELIVERY_TIMELINE = True
+    kinds, page = shown_kinds(admin_client, delivery_id)
+    assert kinds == ["committed", "claimed", "finished"]
+    assert "1 earlier attempt(s) not recorded" in page

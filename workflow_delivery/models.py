@@ -449,9 +449,12 @@ SETTLE_KINDS = [
 
 
 class DeliveryTransition(models.Model):
-    """One step of a delivery's timeline. Written only by the database (the trigger
-    ``wd_delivery_timeline`` on the delivery table), so a raw UPDATE is recorded too;
-    deleted with its delivery."""
+    """One stored step of a delivery's timeline: a departure from its usual life (a
+    reap, a release, a retry, an operator's or the reaper's settle, a claim such a step
+    ends, anything under a named actor). Written only by the database (the triggers
+    ``wd_delivery_timeline`` and ``wd_delivery_timeline_commit``), so a raw UPDATE is
+    recorded too; deleted with its delivery. The commit, the latest claim and the
+    holder's settle are the row's own (``history.delivery_history`` merges them)."""
 
     id = models.BigAutoField(primary_key=True)
     community = _tenant_fk(Community, related_name="+")
