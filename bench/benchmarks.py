@@ -99,15 +99,16 @@ def _cycle_phase(
     history: int = 0,
     neighbour: int = 0,
     ids: str = common.RANDOM_IDS,
+    kind: str = "cycle",
 ) -> Phase:
-    """Claim + finish loops on a freshly seeded community of pending rows, optionally
-    behind ``history`` terminal rows of the same targets or beside a ``neighbour``
-    community holding that many pending rows; delivery ids are ``ids``."""
+    """Claim + finish loops (``kind``) on a freshly seeded community of pending rows,
+    optionally behind ``history`` terminal rows of the same targets or beside a
+    ``neighbour`` community holding that many pending rows; delivery ids are ``ids``."""
     with db.connect() as conn:
         tenant = common.cycle_tenant(
             conn, "cycle", _pending_rows(options), history=history, neighbour=neighbour, ids=ids
         )
-    specs = [Spec("cycle", api, i, db, tenant) for i in range(workers)]
+    specs = [Spec(kind, api, i, db, tenant) for i in range(workers)]
     return run_phase(specs, seconds=options.seconds, warmup=options.warmup, desc=desc)
 
 
@@ -501,34 +502,30 @@ def reap_cliff(db: common.BenchDb, options: Options) -> list[Figure]:
 
 
 def timeline(db: common.BenchDb, options: Options) -> list[Figure]:
-    """Service claim+finish with the timeline triggers on, against the same with them
-    off, whole phases alternating for ``rounds`` rounds."""
-    workers = options.workers or 8
-    rates: dict[bool, list[float]] = {True: [], False: []}
-    notes: list[str] = []
-    try:
+    """Service claim+finish with ``WORKFLOW_DELIVERY_TIMELINE`` on, against the same
+    with it off, both taking turns in slices of one window, at 8 workers (and 1)."""
+    figures = []
+    for workers in sorted({1, options.workers or 8}, reverse=True):
+        rates: dict[str, list[float]] = {SERVICE: [], BASELINE: []}
+        notes: list[str] = []
         for round_ in range(1, options.rounds + 1):
-            for enabled in (False, True):
-                with db.connect() as conn:
-                    common.set_timeline(conn, enabled)
-                label = "on" if enabled else "off"
-                phase = _cycle_phase(db, SERVICE, workers, options, f"timeline {label} #{round_}")
-                rates[enabled].append(phase.rate())
-                notes += _notes(phase)
-    finally:
-        with db.connect() as conn:
-            common.set_timeline(conn, True)
-    return [
-        Figure(
-            "timeline",
-            f"claim+finish with the timeline vs without, {workers} workers",
-            mean(rates[True]),
-            mean(rates[False]),
-            "cycles/s",
-            bar=0.9,
-            notes=notes,
+            desc = f"timeline, {workers} workers #{round_}"
+            phase = _cycle_phase(db, BOTH, workers, options, desc, kind="cycle-timeline")
+            for api in rates:
+                rates[api].append(phase.rate(api=api))
+            notes += _notes(phase)
+        figures.append(
+            Figure(
+                "timeline",
+                f"claim+finish with the timeline on vs off, {workers} workers",
+                mean(rates[SERVICE]),
+                mean(rates[BASELINE]),
+                "cycles/s",
+                bar=0.9,
+                notes=notes,
+            )
         )
-    ]
+    return figures
 
 
 def prune(db: common.BenchDb, options: Options) -> list[Figure]:

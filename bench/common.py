@@ -352,17 +352,6 @@ def vacuum(conn: psycopg.Connection) -> None:
         print(f"bench: no checkpoint before the phase ({error})", file=sys.stderr)
 
 
-TIMELINE_TRIGGERS = ("wd_delivery_timeline", "wd_delivery_timeline_commit")
-
-
-def set_timeline(conn: psycopg.Connection, enabled: bool) -> None:
-    """Turn the timeline triggers on or off in the bench's own database (DDL: only
-    between phases, never while workers run)."""
-    verb = "ENABLE" if enabled else "DISABLE"
-    for trigger in TIMELINE_TRIGGERS:
-        conn.execute(f"ALTER TABLE workflow_agent_deliveries {verb} TRIGGER {trigger}")
-
-
 _UNSET = object()
 
 

@@ -310,9 +310,29 @@ def _notify_produce(
     return build
 
 
+def _timeline_cycle(on: bool) -> Callable[[Spec], tuple[Unit, Callable[[], None]]]:
+    """The service cycle with WORKFLOW_DELIVERY_TIMELINE set before each unit (as
+    ``override_settings`` sets it), so both sides take turns in one process; the app
+    tells the session at the first statement after a change."""
+
+    def build(spec: Spec) -> tuple[Unit, Callable[[], None]]:
+        unit, close = _service_cycle(spec)
+
+        def toggled(n: int) -> tuple[int, float, float] | None:
+            common.use_setting("WORKFLOW_DELIVERY_TIMELINE", on)
+            return unit(n)
+
+        return toggled, close
+
+    return build
+
+
 _LOOPS = {
     ("cycle", SERVICE): _service_cycle,
     ("cycle", BASELINE): _baseline_cycle,
+    # The timeline on ("service") against off, the same service cycle otherwise.
+    ("cycle-timeline", SERVICE): _timeline_cycle(True),
+    ("cycle-timeline", BASELINE): _timeline_cycle(False),
     # The service producer on the app's defaults, whatever an earlier phase of this
     # process set.
     ("produce", SERVICE): _notify_produce(
@@ -362,7 +382,7 @@ def worker_main(spec: Spec, barrier: Any, stop: Any, mode: Any, results: Any) ->
             samples.first.append(first)
             samples.second.append(second)
             samples.apis.append(code)
-            if spec.kind == "cycle" and units != 1:
+            if spec.kind.startswith("cycle") and units != 1:
                 samples.anomalies += 1
 
     except BaseException:  # noqa: BLE001 - any failure is reported to the parent as text

@@ -60,7 +60,7 @@ def test_overview_numbers_are_the_databases(admin_client, raw):
     assert cell(page, busy.community.host, 'data-figure="expired"') == "1"
     assert cell(page, quiet.community.host, 'data-figure="expired"') == "— (skipped)"
     assert "quiescing (the reaper and pruning skip it)" in page
-    settled = DeliveryTransition.objects.filter(kind__in=["finished", "failed"]).count()
+    settled = WorkflowAgentDelivery.objects.filter(status__in=["finished", "failed"]).count()
     assert f"Settles per minute, last hour ({settled} in all)" in page
     svg = page[page.index('<svg class="wd-settles"') :]
     svg = svg[: svg.index("</svg>")]

@@ -229,12 +229,13 @@ def test_a_temporary_timeline_table_swallows_no_entry(app_role_with_temp):
         "CREATE TEMP TABLE workflow_delivery_timeline "
         "(LIKE public.workflow_delivery_timeline INCLUDING DEFAULTS INCLUDING IDENTITY)"
     )
-    services.claim_delivery(step.community.id, step.targets[0])
+    lease, _ = services.claim_delivery(step.community.id, step.targets[0])
+    services.release_lease(lease)
     assert fetch("SELECT count(*) FROM pg_temp.workflow_delivery_timeline") == [(0,)]
     assert fetch(
         "SELECT kind FROM public.workflow_delivery_timeline WHERE delivery_id = %s ORDER BY id",
         [delivery.id],
-    ) == [("committed",), ("claimed",)]
+    ) == [("claimed",), ("released",)]
 
 
 def test_the_deletion_lock_and_the_executor_settings_authorise_nothing(app_role):

@@ -1,8 +1,11 @@
-"""Attempts and the cap (kept by the database), and each delivery's timeline (written
-by the database): every transition one row, raw UPDATEs too, fenced and cascaded."""
+"""Attempts and the cap (kept by the database), and each delivery's history: the
+timeline rows the database writes for every departure from the usual life (raw
+UPDATEs too, fenced and cascaded), merged with the commit, claim and settle the row
+implies."""
 
 from __future__ import annotations
 
+import re
 import uuid
 from io import StringIO
 
@@ -10,9 +13,10 @@ import pytest
 from django.core.management import call_command
 from django.db import connection, transaction
 from django.test import override_settings
+from django.urls import reverse
 
 from tests import factories
-from workflow_delivery import fence, services, sql
+from workflow_delivery import fence, history, services, sql
 from workflow_delivery.exceptions import CommunityWriteFenced, ConstraintViolation
 from workflow_delivery.models import DeliveryTransition, WorkflowAgentDelivery
 from workflow_delivery.protocol import LeaseLost, Reaped, Settled
@@ -47,9 +51,22 @@ def row(delivery_id: uuid.UUID) -> dict:
     ).get(pk=delivery_id)
 
 
+def entries(delivery_id: uuid.UUID) -> list[history.HistoryEntry]:
+    """The delivery's history as the admin shows it."""
+    return history.delivery_history(WorkflowAgentDelivery.objects.get(pk=delivery_id))
+
+
 def timeline(delivery_id: uuid.UUID) -> list[tuple]:
+    return [
+        (e.kind, e.status_before, e.status_after, e.generation, e.actor)
+        for e in entries(delivery_id)
+    ]
+
+
+def stored(delivery_id: uuid.UUID) -> list[str]:
+    """The kinds of the timeline rows actually stored, oldest first."""
     rows = DeliveryTransition.objects.filter(delivery_id=delivery_id).order_by("id")
-    return list(rows.values_list("kind", "status_before", "status_after", "generation", "actor"))
+    return list(rows.values_list("kind", flat=True))
 
 
 def raw_sql(statement: str, params: list) -> None:
@@ -203,15 +220,120 @@ def test_each_transition_is_one_row_with_its_generation_and_actor(admin_user):
         ("claimed", "pending", "claimed", 5, "holder"),
         ("operator_failed", "claimed", "failed", final, "operator:alice"),
     ]
-    times = list(DeliveryTransition.objects.filter(delivery_id=delivery_id).values_list("at"))
+    assert [e.attempts for e in entries(delivery_id)] == [0, 1, 1, 2, 2, 3, 3]
+    # The commit is the row's; every claim was written by the departure that ended it.
+    assert stored(delivery_id) == [kind for kind, *_ in timeline(delivery_id)][1:]
+    times = [e.at for e in entries(delivery_id)]
     assert times == sorted(times)
 
 
 @pytest.mark.parametrize("outcome", ["finished", "failed"])
-def test_a_holders_settle_is_recorded_with_its_outcome(outcome):
+def test_a_holders_settle_is_implied_by_the_row_and_stores_nothing(outcome):
     step, delivery_id = one_delivery()
-    services.finish_delivery(claim(step), outcome)
-    assert timeline(delivery_id)[-1] == (outcome, "claimed", outcome, 1, "holder")
+    lease = claim(step)
+    claimed_at = WorkflowAgentDelivery.objects.get(pk=delivery_id).claimed_at
+    assert timeline(delivery_id) == [
+        ("committed", None, "pending", 0, "producer"),
+        ("claimed", "pending", "claimed", 1, "holder"),
+    ]
+    services.finish_delivery(lease, outcome)
+    delivery = WorkflowAgentDelivery.objects.get(pk=delivery_id)
+    assert timeline(delivery_id) == [
+        ("committed", None, "pending", 0, "producer"),
+        ("claimed", "pending", "claimed", 1, "holder"),
+        (outcome, "claimed", outcome, 1, "holder"),
+    ]
+    # Each step at the row's own time; no row written for any of them.
+    assert [e.at for e in entries(delivery_id)] == [
+        delivery.created_at,
+        claimed_at,
+        delivery.finished_at,
+    ]
+    assert delivery.claimed_at is None and delivery.last_claimed_at == claimed_at
+    assert [e.stored for e in entries(delivery_id)] == [False, False, False]
+    assert stored(delivery_id) == []
+
+
+def test_a_second_claim_after_a_reap_shows_both_claims_in_order():
+    step, delivery_id = one_delivery()
+    claim(step)
+    first = WorkflowAgentDelivery.objects.get(pk=delivery_id).claimed_at
+    expire(delivery_id)
+    services.reap_deliveries()
+    services.finish_delivery(claim(step), "finished")
+    assert timeline(delivery_id) == [
+        ("committed", None, "pending", 0, "producer"),
+        ("claimed", "pending", "claimed", 1, "holder"),
+        ("reaped", "claimed", "pending", 2, "reaper"),
+        ("claimed", "pending", "claimed", 3, "holder"),
+        ("finished", "claimed", "finished", 3, "holder"),
+    ]
+    assert entries(delivery_id)[1].at == first
+    assert stored(delivery_id) == ["claimed", "reaped"]
+
+
+def test_a_holders_release_records_the_claim_it_gives_back():
+    step, delivery_id = one_delivery()
+    services.release_lease(claim(step))
+    assert timeline(delivery_id) == [
+        ("committed", None, "pending", 0, "producer"),
+        ("claimed", "pending", "claimed", 1, "holder"),
+        ("released", "claimed", "pending", 2, "sql"),
+    ]
+    assert stored(delivery_id) == ["claimed", "released"]
+
+
+def test_an_operator_fail_of_a_pending_delivery_follows_its_commit():
+    step, delivery_id = one_delivery()
+    services.fail_deliveries(step.community.id, [delivery_id], operator="carol")
+    assert timeline(delivery_id) == [
+        ("committed", None, "pending", 0, "producer"),
+        ("operator_failed", "pending", "failed", 1, "operator:carol"),
+    ]
+    assert stored(delivery_id) == ["operator_failed"]
+
+
+def test_a_claim_under_a_named_actor_is_stored_once():
+    _, delivery_id = one_delivery()
+    with transaction.atomic(), connection.cursor() as cursor:
+        cursor.execute("SELECT set_config('workflow_delivery.actor', 'operator:dan', true)")
+        cursor.execute(
+            "UPDATE workflow_agent_deliveries SET status = 'claimed', claimed_at = now(), "
+            "lease_until = now() + interval '1 minute', lease_generation = 1 WHERE id = %s",
+            [delivery_id],
+        )
+        # Transaction-local, and the test's transaction goes on.
+        cursor.execute("SELECT set_config('workflow_delivery.actor', '', true)")
+    expire(delivery_id)
+    services.reap_deliveries()
+    assert timeline(delivery_id) == [
+        ("committed", None, "pending", 0, "producer"),
+        ("claimed", "pending", "claimed", 1, "operator:dan"),
+        ("reaped", "claimed", "pending", 2, "reaper"),
+    ]
+
+
+def test_last_claimed_at_is_kept_by_the_database():
+    step, delivery_id = one_delivery()
+    claim(step)
+    with pytest.raises(ConstraintViolation) as caught:
+        raw_sql(
+            "UPDATE workflow_agent_deliveries SET last_claimed_at = now() - interval '1 hour' "
+            "WHERE id = %s",
+            [delivery_id],
+        )
+    assert caught.value.constraint == "wd_delivery_last_claimed_at_by_claims"
+    # A raw claim gets it from its claimed_at, whatever it writes there itself.
+    expire(delivery_id)
+    services.reap_deliveries()
+    raw_sql(
+        "UPDATE workflow_agent_deliveries SET status = 'claimed', claimed_at = now(), "
+        "lease_until = now() + interval '1 minute', lease_generation = lease_generation + 1, "
+        "last_claimed_at = NULL WHERE id = %s",
+        [delivery_id],
+    )
+    delivery = WorkflowAgentDelivery.objects.get(pk=delivery_id)
+    assert delivery.last_claimed_at == delivery.claimed_at
 
 
 def test_raw_updates_are_recorded_and_name_their_actor_when_set():
@@ -257,6 +379,7 @@ def test_the_actor_setting_ends_with_the_services_block():
 
 def test_the_timeline_of_a_non_active_community_cannot_be_written():
     step, delivery_id = one_delivery()
+    services.fail_deliveries(step.community.id, [delivery_id], operator="erin")
     fence.begin_deletion(step.community.id)
     with pytest.raises(CommunityWriteFenced):
         raw_sql(
@@ -267,7 +390,7 @@ def test_the_timeline_of_a_non_active_community_cannot_be_written():
         )
     with pytest.raises(CommunityWriteFenced):
         raw_sql("DELETE FROM workflow_delivery_timeline WHERE delivery_id = %s", [delivery_id])
-    assert len(timeline(delivery_id)) == 1
+    assert stored(delivery_id) == ["operator_failed"]
 
 
 def test_the_timeline_cannot_point_at_another_communitys_delivery():
@@ -285,14 +408,16 @@ def test_the_timeline_cannot_point_at_another_communitys_delivery():
 
 def test_the_timeline_goes_with_its_delivery():
     step, delivery_id = one_delivery()
+    services.release_lease(claim(step))
     services.finish_delivery(claim(step), "finished")
-    assert len(timeline(delivery_id)) == 3
+    assert len(stored(delivery_id)) == 2
     step.run.delete()
     assert not DeliveryTransition.objects.filter(delivery_id=delivery_id).exists()
 
 
 def test_the_executor_purges_the_timeline_of_a_fenced_community():
-    step, _ = one_delivery()
+    step, delivery_id = one_delivery()
+    services.fail_deliveries(step.community.id, [delivery_id], operator="erin")
     fence.begin_deletion(step.community.id)
     generation = fence.transition_community(step.community.id, "fenced")
     deleted = fence.purge_community(step.community.id, generation)
@@ -301,12 +426,60 @@ def test_the_executor_purges_the_timeline_of_a_fenced_community():
     assert not WorkflowAgentDelivery.objects.filter(community_id=step.community.id).exists()
 
 
+def run_with_a_reap(step: factories.Step, delivery_id: uuid.UUID) -> None:
+    claim(step)
+    expire(delivery_id)
+    services.reap_deliveries()
+    services.finish_delivery(claim(step), "finished")
+
+
 def test_the_timeline_can_be_turned_off_for_the_apps_sessions(settings):
+    """Off, no row is written: the history is what the row itself says (its commit,
+    last claim and settle), and the claims it cannot show are counted."""
     settings.WORKFLOW_DELIVERY_TIMELINE = False
     step, delivery_id = one_delivery()
-    services.finish_delivery(claim(step), "finished")
-    assert timeline(delivery_id) == []
+    run_with_a_reap(step, delivery_id)
+    assert stored(delivery_id) == []
+    assert timeline(delivery_id) == [
+        ("committed", None, "pending", 0, "producer"),
+        ("claimed", "pending", "claimed", 3, "holder"),
+        ("finished", "claimed", "finished", 3, "holder"),
+    ]
+    delivery = WorkflowAgentDelivery.objects.get(pk=delivery_id)
+    assert history.unrecorded_attempts(entries(delivery_id), delivery) == 1
     settings.WORKFLOW_DELIVERY_TIMELINE = True
     other, other_id = one_delivery()
-    services.finish_delivery(claim(other), "finished")
-    assert [entry[0] for entry in timeline(other_id)] == ["committed", "claimed", "finished"]
+    run_with_a_reap(other, other_id)
+    assert stored(other_id) == ["claimed", "reaped"]
+    assert [entry[0] for entry in timeline(other_id)] == [
+        "committed", "claimed", "reaped", "claimed", "finished",
+    ]  # fmt: skip
+    delivery = WorkflowAgentDelivery.objects.get(pk=other_id)
+    assert history.unrecorded_attempts(entries(other_id), delivery) == 0
+
+
+def shown_kinds(admin_client, delivery_id: uuid.UUID) -> tuple[list[str], str]:
+    """The kinds in the delivery page's timeline table, in order, and the page."""
+    url = reverse("admin:workflow_delivery_workflowagentdelivery_change", args=[delivery_id])
+    page = admin_client.get(url).content.decode()
+    table = page[page.index('class="wd-timeline"') :]
+    table = table[: table.index("</table>")]
+    return re.findall(r"<tr><td>[^<]*</td><td>(\w+)</td>", table), page
+
+
+def test_the_admin_shows_a_finished_deliverys_whole_history(admin_client):
+    step, delivery_id = one_delivery()
+    services.finish_delivery(claim(step), "finished")
+    kinds, page = shown_kinds(admin_client, delivery_id)
+    assert kinds == ["committed", "claimed", "finished"]
+    assert "wd-timeline-gap" not in page
+
+
+def test_the_admin_says_how_many_attempts_the_timeline_missed(admin_client, settings):
+    settings.WORKFLOW_DELIVERY_TIMELINE = False
+    step, delivery_id = one_delivery()
+    run_with_a_reap(step, delivery_id)
+    settings.WORKFLOW_DELIVERY_TIMELINE = True
+    kinds, page = shown_kinds(admin_client, delivery_id)
+    assert kinds == ["committed", "claimed", "finished"]
+    assert "1 earlier attempt(s) not recorded" in page

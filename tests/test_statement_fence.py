@@ -1,6 +1,7 @@
-"""Migration 0010: the fence's INSERT check and the timeline's "committed" entries run
-once per statement, over the statement's new rows, and still refuse and record what
-the row triggers did."""
+"""Migration 0010: the fence's INSERT check runs once per statement, over the
+statement's new rows, and still refuses what the row trigger did. A pending commit
+stores no timeline entry (migration 0017: the row implies it); a commit under a
+named actor stores one."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import pytest
 from django.db import DatabaseError, connection, transaction
 
 from tests import factories
-from workflow_delivery import fence, services
+from workflow_delivery import fence, history, services
 from workflow_delivery.exceptions import CommunityWriteFenced, StepMessageConflict
 from workflow_delivery.models import Community, DeliveryTransition, WorkflowAgentDelivery
 from workflow_delivery.protocol import NewDelivery
@@ -59,22 +60,20 @@ def test_one_statement_writing_to_an_active_and_a_frozen_community_writes_nothin
     assert counts() == before
 
 
-def test_a_statement_into_active_communities_records_one_committed_entry_per_row():
+def test_a_statement_into_active_communities_stores_no_committed_entry():
     first, second = factories.Step(targets=3), factories.Step(targets=4)
     factories.committed(first)
     factories.committed(second)
     assert run_raw(COPY_DELIVERIES, [[str(first.community.id), str(second.community.id)]]) == 7
     copies = WorkflowAgentDelivery.objects.filter(step_id__endswith="-copy")
     assert copies.count() == 7
-    entries = DeliveryTransition.objects.filter(delivery__in=copies)
-    assert sorted(entries.values_list("delivery_id", flat=True)) == sorted(
-        copies.values_list("id", flat=True)
-    )
-    assert set(entries.values_list("kind", "status_before", "status_after", "generation")) == {
-        ("committed", None, "pending", 0)
-    }
-    # A raw statement names no actor: the producer is assumed, as the row trigger did.
-    assert set(entries.values_list("actor", flat=True)) == {"producer"}
+    assert not DeliveryTransition.objects.filter(delivery__in=copies).exists()
+    for copy in copies:
+        (entry,) = history.delivery_history(copy)
+        # A raw statement names no actor: the producer is assumed.
+        assert (entry.kind, entry.status_after, entry.generation, entry.actor, entry.at) == (
+            "committed", "pending", 0, "producer", copy.created_at,
+        )  # fmt: skip
 
 
 def test_a_committed_entry_names_the_actor_the_session_set():
@@ -89,14 +88,26 @@ def test_a_committed_entry_names_the_actor_the_session_set():
     ) == {"operator:ada"}
 
 
-def test_a_hundred_target_commit_records_a_hundred_entries_stamped_in_order():
-    step = factories.Step(targets=100)
-    ids = [item.id for item in factories.committed(step)]
-    entries = DeliveryTransition.objects.filter(delivery_id__in=ids).order_by("id")
-    assert entries.count() == 100
-    stamps = list(entries.values_list("at", flat=True))
-    assert stamps == sorted(stamps)
-    assert set(entries.values_list("kind", flat=True)) == {"committed"}
+def test_a_committed_entry_under_a_named_actor_is_stored_first():
+    step = factories.Step(targets=1)
+    factories.committed(step)
+    with transaction.atomic(), connection.cursor() as cursor:
+        cursor.execute("SELECT set_config('workflow_delivery.actor', 'operator:ada', true)")
+        cursor.execute(COPY_DELIVERIES, [[str(step.community.id)]])
+        # Transaction-local, and the test's transaction goes on.
+        cursor.execute("SELECT set_config('workflow_delivery.actor', '', true)")
+    copy = WorkflowAgentDelivery.objects.get(step_id__endswith="-copy")
+    services.finish_delivery(
+        services.claim_delivery(step.community.id, step.targets[0], delivery_id=copy.id)[0],
+        "finished",
+    )
+    copy.refresh_from_db()
+    shown = [(e.kind, e.actor, e.stored) for e in history.delivery_history(copy)]
+    assert shown == [
+        ("committed", "operator:ada", True),
+        ("claimed", "holder", False),
+        ("finished", "holder", False),
+    ]
 
 
 def test_the_executor_of_a_fenced_community_may_still_insert():
@@ -108,7 +119,7 @@ def test_the_executor_of_a_fenced_community_may_still_insert():
     before = counts()
     with fence.executor_writes(step.community.id, generation), connection.cursor() as cursor:
         cursor.execute(COPY_DELIVERIES, [[str(step.community.id)]])
-    assert counts() == (before[0] + 2, before[1] + 2)
+    assert counts() == (before[0] + 2, before[1])
 
 
 def test_a_retry_into_a_frozen_community_is_refused_by_the_service():
@@ -185,14 +196,13 @@ def test_one_statement_giving_a_new_step_two_messages_is_refused():
 PER_STATEMENT = [
     "wd_require_community_write",
     "wd_enforce_community_write_fence_on_insert",
-    "wd_record_deliveries_committed",
 ]
-NOT_FOR_INSERTS = ["wd_enforce_community_write_fence", "wd_record_deliveries_moved"]
+NOT_FOR_INSERTS = ["wd_enforce_community_write_fence", "wd_record_delivery_departure"]
 
 
-def test_a_large_step_runs_the_fence_and_the_timeline_once_per_statement():
-    """The fence and the timeline's committed entries, counted by PostgreSQL's own
-    function statistics for this transaction: no call per row."""
+def test_a_large_step_runs_the_fence_once_per_statement_and_the_timeline_never():
+    """The fence, counted by PostgreSQL's own function statistics for this
+    transaction: no call per row, and none of the timeline's function."""
     step = factories.Step(targets=2000)
     with connection.cursor() as cursor:
         cursor.execute("SET LOCAL track_functions = 'pl'")
@@ -205,10 +215,9 @@ def test_a_large_step_runs_the_fence_and_the_timeline_once_per_statement():
         )
         calls = dict(cursor.fetchall())
     assert len(created) == 2000
-    # The service's statement asks the fence itself, and the statement triggers of
-    # both tables (deliveries, then the timeline) ask again.
+    # The service's statement asks the fence itself, and the deliveries' statement
+    # trigger asks again.
     assert calls == {
-        "wd_require_community_write": 3,
-        "wd_enforce_community_write_fence_on_insert": 2,
-        "wd_record_deliveries_committed": 1,
+        "wd_require_community_write": 2,
+        "wd_enforce_community_write_fence_on_insert": 1,
     }

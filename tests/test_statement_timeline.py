@@ -1,5 +1,6 @@
-"""Migration 0011: status changes are recorded once per statement, from the statement's
-old and new rows, with what the row trigger recorded; a delivery's key never changes."""
+"""The timeline's triggers (migration 0017): the usual life (commit, claim, the holder's
+settle) never calls the recording function, a departure calls it once for its row and
+writes the claim it ends before itself; a delivery's key never changes."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from django.test import override_settings
 
 from tests import factories
 from tests.test_attempts_timeline import raw_sql
-from workflow_delivery import services
+from workflow_delivery import history, services
 from workflow_delivery.exceptions import ConstraintViolation
 from workflow_delivery.models import DeliveryTransition, WorkflowAgentDelivery
 from workflow_delivery.protocol import Outcome
@@ -22,7 +23,7 @@ TARGETS = 40
 def calls_during(action) -> dict[str, int]:
     """PostgreSQL's count of calls of the rules' functions while ``action`` runs, in
     the test's transaction."""
-    names = ["wd_record_deliveries_moved", "wd_enforce_community_write_fence"]
+    names = ["wd_record_delivery_departure", "wd_enforce_community_write_fence"]
     with connection.cursor() as cursor:
         cursor.execute("SET LOCAL track_functions = 'pl'")
         cursor.execute(
@@ -52,34 +53,60 @@ def claimed_step() -> factories.Step:
     return step
 
 
-def test_a_reaper_batch_records_every_lease_it_takes_in_one_call():
+def test_a_reaper_batch_records_every_lease_it_takes_with_its_claim():
     step = claimed_step()
     WorkflowAgentDelivery.objects.filter(community_id=step.community.id).update(
-        lease_until="2000-01-01T00:00:00Z", claimed_at="1999-12-31T23:00:00Z"
+        lease_until="2000-01-01T00:00:00Z"
     )
     reaped = []
     calls = calls_during(lambda: reaped.append(services.reap_expired_deliveries(batch_size=500)))
     assert reaped == [TARGETS]
-    # The write fence still checks row by row; the timeline writes once.
-    assert calls == {"wd_record_deliveries_moved": 1, "wd_enforce_community_write_fence": TARGETS}
+    assert calls == {
+        "wd_record_delivery_departure": TARGETS,
+        "wd_enforce_community_write_fence": TARGETS,
+    }
+    assert entries(step, "claimed") == [("pending", "claimed", 1, "holder")] * TARGETS
     assert entries(step, "reaped") == [("claimed", "pending", 2, "reaper")] * TARGETS
+    for delivery in WorkflowAgentDelivery.objects.filter(community_id=step.community.id):
+        claim = DeliveryTransition.objects.get(delivery_id=delivery.id, kind="claimed")
+        assert claim.at == delivery.last_claimed_at
 
 
-def test_a_batch_claim_and_finish_record_each_delivery_once():
+def test_the_usual_life_never_calls_the_recording_function():
     step = factories.Step(targets=1)
-    for n in range(5):
-        factories.committed(step)
-        step.step_id = f"step-{n + 2}"
+    commits = calls_during(lambda: [factories.committed(step)])
     claims = []
     calls = calls_during(
         lambda: claims.extend(
             services.claim_deliveries(step.community.id, step.targets[0], limit=5)
         )
     )
-    assert len(claims) == 5 and calls["wd_record_deliveries_moved"] == 1
+    assert len(claims) == 1
+    settles = calls_during(
+        lambda: services.finish_deliveries([(lease, Outcome.FINISHED) for lease, _ in claims])
+    )
+    assert [c["wd_record_delivery_departure"] for c in (commits, calls, settles)] == [0, 0, 0]
+    assert DeliveryTransition.objects.filter(community_id=step.community.id).count() == 0
+
+
+def test_a_batch_claim_and_finish_show_each_delivery_once():
+    step = factories.Step(targets=1)
+    for n in range(5):
+        factories.committed(step)
+        step.step_id = f"step-{n + 2}"
+    claims = services.claim_deliveries(step.community.id, step.targets[0], limit=5)
+    assert len(claims) == 5
     services.finish_deliveries([(lease, Outcome.FAILED) for lease, _ in claims])
-    assert entries(step, "claimed") == [("pending", "claimed", 1, "holder")] * 5
-    assert entries(step, "failed") == [("claimed", "failed", 1, "holder")] * 5
+    for delivery in WorkflowAgentDelivery.objects.filter(community_id=step.community.id):
+        shown = [
+            (e.kind, e.status_before, e.status_after, e.generation, e.actor)
+            for e in history.delivery_history(delivery)
+        ]
+        assert shown == [
+            ("committed", None, "pending", 0, "producer"),
+            ("claimed", "pending", "claimed", 1, "holder"),
+            ("failed", "claimed", "failed", 1, "holder"),
+        ]
 
 
 def test_a_statement_changing_no_status_records_nothing():

@@ -39,12 +39,12 @@ from django.utils.safestring import SafeString
 
 from . import admin_target, fence, metrics, overview, services
 from .exceptions import CommunityNotFound, InvalidLifecycleTransition
+from .history import delivery_history, unrecorded_attempts
 from .models import (
     STATUSES,
     TERMINAL_STATUSES,
     Community,
     DeletionState,
-    DeliveryTransition,
     Event,
     Workflow,
     WorkflowAgentDelivery,
@@ -643,9 +643,8 @@ class DeliveryAdmin(ReadOnlyAdmin):
 
     @admin.display(description="timeline")
     def timeline(self, obj: WorkflowAgentDelivery) -> SafeString:
-        entries = DeliveryTransition.objects.filter(
-            community_id=obj.community_id, delivery_id=obj.id
-        ).order_by("id")
+        # The stored entries and the ones the row itself implies, merged in order.
+        entries = delivery_history(obj)
         rows = format_html_join(
             "",
             "<tr><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td>"
@@ -663,13 +662,22 @@ class DeliveryAdmin(ReadOnlyAdmin):
                 for entry in entries
             ),
         )
-        if not rows:
-            return format_html("{}", "No transition recorded (the timeline may be turned off).")
+        missing = unrecorded_attempts(entries, obj)
+        note = (
+            format_html(
+                '<p class="wd-timeline-gap">{} earlier attempt(s) not recorded '
+                "(the timeline was off when they ended).</p>",
+                missing,
+            )
+            if missing
+            else ""
+        )
         return format_html(
             '<table class="wd-timeline"><thead><tr><th>at</th><th>transition</th>'
             "<th>status</th><th>generation</th><th>attempts</th><th>actor</th><th>error</th>"
-            "</tr></thead><tbody>{}</tbody></table>",
+            "</tr></thead><tbody>{}</tbody></table>{}",
             rows,
+            note,
         )
 
     @admin.display(description="last error")

@@ -281,6 +281,9 @@ class WorkflowAgentDelivery(models.Model):
     claimed_at = models.DateTimeField(null=True, blank=True)
     finished_at = models.DateTimeField(null=True, blank=True)
     created_at = models.DateTimeField(db_default=TransactionNow(), editable=False)
+    # When it was last claimed, kept after the lease ends; set by the database at each
+    # claim and by nothing else (``wd_delivery_last_claimed_at_by_claims``).
+    last_claimed_at = models.DateTimeField(null=True, blank=True, editable=False)
     # A retried delivery's not-before time (pending only); no claim takes it earlier.
     available_at = models.DateTimeField(null=True, blank=True)
     # The last error its holder reported (services.retry_delivery, finish with error).
@@ -446,9 +449,12 @@ SETTLE_KINDS = [
 
 
 class DeliveryTransition(models.Model):
-    """One step of a delivery's timeline. Written only by the database (the trigger
-    ``wd_delivery_timeline`` on the delivery table), so a raw UPDATE is recorded too;
-    deleted with its delivery."""
+    """One stored step of a delivery's timeline: a departure from its usual life (a
+    reap, a release, a retry, an operator's or the reaper's settle, a claim such a step
+    ends, anything under a named actor). Written only by the database (the triggers
+    ``wd_delivery_timeline`` and ``wd_delivery_timeline_commit``), so a raw UPDATE is
+    recorded too; deleted with its delivery. The commit, the latest claim and the
+    holder's settle are the row's own (``history.delivery_history`` merges them)."""
 
     id = models.BigAutoField(primary_key=True)
     community = _tenant_fk(Community, related_name="+")

@@ -1,5 +1,5 @@
 """The admin overview's plot: settles per minute over the last hour, drawn server-side
-as SVG (no JavaScript), from the timeline's partial index of settles."""
+as SVG (no JavaScript), from the deliveries' index of settled rows."""
 
 from __future__ import annotations
 

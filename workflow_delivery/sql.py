@@ -619,15 +619,22 @@ SELECT community_id, status, count(*)
   FROM {DELIVERIES} WHERE status IN ('finished', 'failed') GROUP BY community_id, status
 """
 
-# Settles of the last hour per minute, oldest first, from the timeline's settle index.
-TIMELINE = _q(DeliveryTransition._meta.db_table)
+# Settles of the last hour per minute, oldest first: each terminal delivery settled
+# once, at its finished_at, read from the settled index per community and status.
 SETTLES_PER_MINUTE = f"""
-SELECT minutes.m, count(t.id)
+SELECT minutes.m, count(s.finished_at)
   FROM generate_series(0, 59) AS minutes (m)
-  LEFT JOIN {TIMELINE} AS t
-    ON t.kind IN ('finished', 'failed', 'operator_failed', 'attempts_exhausted')
-   AND t.at > now() - interval '60 minutes'
-   AND 59 - greatest(0, floor(extract(epoch FROM now() - t.at) / 60)::int) = minutes.m
+  LEFT JOIN (
+       SELECT d.finished_at
+         FROM {COMMUNITIES} AS c
+        CROSS JOIN (VALUES ('finished'), ('failed')) AS t (status)
+        CROSS JOIN LATERAL (
+              SELECT r.finished_at FROM {DELIVERIES} AS r
+               WHERE r.community_id = c.id AND r.status = t.status
+                 AND r.finished_at > now() - interval '60 minutes'
+        ) AS d
+  ) AS s
+    ON 59 - greatest(0, floor(extract(epoch FROM now() - s.finished_at) / 60)::int) = minutes.m
  GROUP BY minutes.m ORDER BY minutes.m
 """
 
