@@ -643,11 +643,10 @@ SELECT minutes.m, count(s.finished_at)
 # community's reap index; terminal rows have no index by target, so settles are read
 # from the community's ``window`` most recent (two backward scans of the settled
 # index, one per terminal status) and only those are searched for the target. The last
-# claim is the newest 'claimed' timeline entry of the target's claimed rows, its
-# settles in that window and its ``window`` newest pending rows already claimed once
-# (a probe of the timeline index each), or a claimed row's own ``claimed_at``.
+# claim is the newest ``last_claimed_at`` of the target's claimed and pending rows and
+# of its settles in that window.
 _ERROR_COLUMNS = "last_error_type, last_error_message, last_error_at"
-_SETTLE_ROW = f"id, target_pubkey, status, attempts, finished_at, {_ERROR_COLUMNS}"
+_SETTLE_ROW = f"id, target_pubkey, status, attempts, finished_at, last_claimed_at, {_ERROR_COLUMNS}"
 TARGET_STATE = f"""
 WITH community AS (
     SELECT host, deletion_state FROM {COMMUNITIES} WHERE id = %(community)s
@@ -661,7 +660,7 @@ pending AS (
      WHERE community_id = %(community)s AND target_pubkey = %(target)s AND status = 'pending'
 ),
 held AS MATERIALIZED (
-    SELECT id, claimed_at, lease_until, {_ERROR_COLUMNS}
+    SELECT id, claimed_at, last_claimed_at, lease_until, {_ERROR_COLUMNS}
       FROM {DELIVERIES}
      WHERE community_id = %(community)s AND status = 'claimed' AND target_pubkey = %(target)s
 ),
@@ -708,23 +707,16 @@ error AS (
      ORDER BY last_error_at DESC LIMIT 1
 ),
 claim AS (
-    SELECT max(entry.at) AS last_claimed
+    SELECT max(last_claimed_at) AS last_claimed
       FROM (
-            SELECT id FROM held
+            SELECT last_claimed_at FROM held
             UNION ALL
-            SELECT id FROM recent WHERE target_pubkey = %(target)s
+            SELECT last_claimed_at FROM recent WHERE target_pubkey = %(target)s
             UNION ALL
-            (SELECT id FROM {DELIVERIES}
-              WHERE community_id = %(community)s AND target_pubkey = %(target)s
-                AND status = 'pending' AND lease_generation > 0
-              ORDER BY created_at DESC LIMIT %(window)s)
+            SELECT max(last_claimed_at) FROM {DELIVERIES}
+             WHERE community_id = %(community)s AND target_pubkey = %(target)s
+               AND status = 'pending'
       ) AS seen
-     CROSS JOIN LATERAL (
-           SELECT t.at FROM {TIMELINE} AS t
-            WHERE t.community_id = %(community)s AND t.delivery_id = seen.id
-              AND t.kind = 'claimed'
-            ORDER BY t.id DESC LIMIT 1
-     ) AS entry
 ),
 idle AS (
     SELECT registered_at FROM {IDLE}
