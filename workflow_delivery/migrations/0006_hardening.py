@@ -179,7 +179,7 @@ CREATE TRIGGER wd_delivery_one_message_per_step
     FOR EACH ROW EXECUTE FUNCTION wd_enforce_one_message_per_step();
 """
 
-# 0003's write fence, restored on reverse.
+# On reverse: 0003's write fence again, and no lock test.
 REVERSE_EXECUTOR_LOCK = """\
 CREATE OR REPLACE FUNCTION wd_enforce_community_write_fence() RETURNS trigger
 LANGUAGE plpgsql
