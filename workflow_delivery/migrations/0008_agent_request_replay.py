@@ -14,13 +14,6 @@ from django.db import migrations, models
 TABLE = "agent_request_replays"
 
 
-def _fence_trigger():
-    from importlib import import_module
-
-    fence = import_module("workflow_delivery.migrations.0003_community_write_fence")
-    return fence.fence_trigger(TABLE)
-
-
 class Migration(migrations.Migration):
     dependencies = [
         ("workflow_delivery", "0007_attempts_and_timeline"),
@@ -74,5 +67,11 @@ class Migration(migrations.Migration):
             ),
             reverse_sql=f"ALTER TABLE {TABLE} DROP CONSTRAINT wd_replay_community_fk;",
         ),
-        _fence_trigger(),
+        migrations.RunSQL(
+            sql=(
+                "CREATE TRIGGER wd_community_write_fence BEFORE INSERT OR UPDATE OR DELETE "
+                "ON agent_request_replays FOR EACH ROW EXECUTE FUNCTION wd_enforce_community_write_fence();"
+            ),
+            reverse_sql="DROP TRIGGER wd_community_write_fence ON agent_request_replays;",
+        ),
     ]

@@ -29,11 +29,9 @@ write, and ``wd_delivery_one_message_per_step`` stays a row trigger. Reversing
 restores 0007's row triggers.
 """
 
-from importlib import import_module
-
 from django.db import migrations
 
-_TIMELINE = import_module("workflow_delivery.migrations.0007_attempts_and_timeline")
+TIMELINE = "workflow_delivery_timeline"
 
 TABLES = ["workflow_agent_deliveries", "workflow_delivery_timeline"]
 
@@ -129,7 +127,7 @@ BEGIN
     IF current_setting('workflow_delivery.timeline', true) IS NOT DISTINCT FROM 'off' THEN
         RETURN NULL;
     END IF;
-    INSERT INTO {_TIMELINE.TIMELINE}
+    INSERT INTO {TIMELINE}
         (community_id, delivery_id, at, kind, generation, attempts, status_before, status_after, actor)
     SELECT d.community_id, d.id, clock_timestamp(), 'committed', d.lease_generation, d.attempts,
            NULL, d.status,

@@ -24,20 +24,50 @@ claim or finish of N rows writes its N entries in one INSERT as well.
 Reversing restores 0007's row trigger and function and 0004's guard.
 """
 
-from importlib import import_module
-
 from django.db import migrations
 
-_TIMELINE = import_module("workflow_delivery.migrations.0007_attempts_and_timeline")
-_GUARD = import_module("workflow_delivery.migrations.0004_delivery_transition_guard")
+TIMELINE = "workflow_delivery_timeline"
 
-
-def _row_function() -> str:
-    """0007's CREATE FUNCTION wd_record_delivery_transition(), as it stands there."""
-    text = _TIMELINE.TIMELINE_SQL
-    start = text.index("CREATE FUNCTION wd_record_delivery_transition()")
-    end = text.index("$$;", start) + len("$$;")
-    return text[start:end]
+# 0007's row function, restored on reverse.
+ROW_FUNCTION = """\
+CREATE FUNCTION wd_record_delivery_transition() RETURNS trigger
+LANGUAGE plpgsql
+AS $$
+DECLARE
+    v_actor text := nullif(current_setting('workflow_delivery.actor', true), '');
+    v_operator boolean;
+    v_kind text;
+BEGIN
+    v_operator := coalesce(v_actor = 'operator' OR v_actor LIKE 'operator:%', false);
+    IF TG_OP = 'INSERT' THEN
+        v_kind := 'committed';
+        v_actor := coalesce(v_actor, 'producer');
+    ELSIF NEW.status = 'claimed' THEN
+        v_kind := 'claimed';
+        v_actor := coalesce(v_actor, 'holder');
+    ELSIF NEW.status = 'pending' THEN
+        -- Unnamed (a raw UPDATE): judged by the lease it took away.
+        IF v_actor = 'reaper' OR (v_actor IS NULL AND OLD.lease_until < now()) THEN
+            v_kind := 'reaped';
+        ELSE
+            v_kind := 'released';
+        END IF;
+        v_actor := coalesce(v_actor, 'sql');
+    ELSIF NEW.status = 'failed' AND v_actor = 'reaper' THEN
+        v_kind := 'attempts_exhausted';
+    ELSIF NEW.status = 'failed' AND v_operator THEN
+        v_kind := 'operator_failed';
+    ELSE
+        v_kind := NEW.status;
+        v_actor := coalesce(v_actor, CASE WHEN OLD.status = 'claimed' THEN 'holder' ELSE 'sql' END);
+    END IF;
+    INSERT INTO workflow_delivery_timeline
+        (community_id, delivery_id, at, kind, generation, attempts, status_before, status_after, actor)
+    VALUES (NEW.community_id, NEW.id, clock_timestamp(), v_kind, NEW.lease_generation, NEW.attempts,
+            CASE WHEN TG_OP = 'UPDATE' THEN OLD.status END, NEW.status, v_actor);
+    RETURN NULL;
+END
+$$;"""
 
 
 STATEMENT_TIMELINE = rf"""
@@ -51,7 +81,7 @@ BEGIN
     -- 0007's row function, row by row: the kind and actor from the new status, the
     -- transaction's actor setting and, for an unnamed return to pending, the lease
     -- it took away.
-    INSERT INTO {_TIMELINE.TIMELINE}
+    INSERT INTO {TIMELINE}
         (community_id, delivery_id, at, kind, generation, attempts, status_before, status_after, actor)
     SELECT n.community_id, n.id, clock_timestamp(),
            CASE
@@ -89,7 +119,7 @@ DROP FUNCTION wd_record_delivery_transition();
 """
 
 REVERSE_STATEMENT_TIMELINE = f"""
-{_row_function()}
+{ROW_FUNCTION}
 
 DROP TRIGGER wd_delivery_timeline ON workflow_agent_deliveries;
 CREATE TRIGGER wd_delivery_timeline
@@ -141,10 +171,39 @@ CREATE TRIGGER wd_delivery_transition_guard
     EXECUTE FUNCTION wd_reject_delivery_transition();
 """
 
-REVERSE_GUARD = f"""
+# 0004's guard, restored on reverse.
+REVERSE_GUARD = """
 DROP TRIGGER wd_delivery_transition_guard ON workflow_agent_deliveries;
 DROP FUNCTION wd_reject_delivery_transition();
-{_GUARD.GUARD}
+
+CREATE FUNCTION wd_reject_delivery_transition() RETURNS trigger
+LANGUAGE plpgsql
+AS $$
+BEGIN
+    IF NEW.lease_generation < OLD.lease_generation THEN
+        RAISE EXCEPTION 'delivery %: lease_generation cannot decrease (% -> %)',
+            OLD.id, OLD.lease_generation, NEW.lease_generation
+            USING ERRCODE = 'check_violation',
+                  CONSTRAINT = 'wd_delivery_lease_generation_monotonic', TABLE = TG_TABLE_NAME;
+    END IF;
+    RAISE EXCEPTION 'delivery % is already %: a terminal outcome cannot change', OLD.id, OLD.status
+        USING ERRCODE = 'check_violation',
+              CONSTRAINT = 'wd_delivery_terminal_once', TABLE = TG_TABLE_NAME;
+END
+$$;
+
+CREATE TRIGGER wd_delivery_transition_guard
+    AFTER UPDATE ON workflow_agent_deliveries
+    FOR EACH ROW
+    WHEN (
+        NEW.lease_generation < OLD.lease_generation
+        OR (
+            OLD.status IN ('finished', 'failed')
+            AND (NEW.status, NEW.finished_at) IS DISTINCT FROM (OLD.status, OLD.finished_at)
+        )
+    )
+    EXECUTE FUNCTION wd_reject_delivery_transition();
+
 """
 
 

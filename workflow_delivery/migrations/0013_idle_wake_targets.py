@@ -22,13 +22,6 @@ from django.db import migrations, models
 TABLE = "workflow_delivery_idle_wake_targets"
 
 
-def _fence_trigger():
-    from importlib import import_module
-
-    fence = import_module("workflow_delivery.migrations.0003_community_write_fence")
-    return fence.fence_trigger(TABLE)
-
-
 class Migration(migrations.Migration):
     dependencies = [
         ("workflow_delivery", "0012_replay_guard_global"),
@@ -91,5 +84,11 @@ class Migration(migrations.Migration):
                 f"ALTER TABLE {TABLE} SET LOGGED;"
             ),
         ),
-        _fence_trigger(),
+        migrations.RunSQL(
+            sql=(
+                "CREATE TRIGGER wd_community_write_fence BEFORE INSERT OR UPDATE OR DELETE "
+                "ON workflow_delivery_idle_wake_targets FOR EACH ROW EXECUTE FUNCTION wd_enforce_community_write_fence();"
+            ),
+            reverse_sql="DROP TRIGGER wd_community_write_fence ON workflow_delivery_idle_wake_targets;",
+        ),
     ]

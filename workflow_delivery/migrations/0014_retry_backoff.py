@@ -23,22 +23,11 @@
 Reversing restores 0011's function and guard and drops the columns.
 """
 
-from importlib import import_module
-
 import django.db.models.functions.text
 import django.db.models.lookups
 from django.db import migrations, models
 
-_STATEMENT_TIMELINE = import_module("workflow_delivery.migrations.0011_statement_level_timeline")
 TIMELINE = "workflow_delivery_timeline"
-
-
-def _function_of_0011() -> str:
-    """0011's CREATE FUNCTION wd_record_deliveries_moved(), to restore on reverse."""
-    text = _STATEMENT_TIMELINE.STATEMENT_TIMELINE
-    start = text.index("CREATE FUNCTION wd_record_deliveries_moved()")
-    end = text.index("$$;", start) + len("$$;")
-    return "CREATE OR REPLACE" + text[start + len("CREATE") : end]
 
 
 RETRY_TIMELINE = rf"""
@@ -101,7 +90,46 @@ END
 $$;
 """
 
-REVERSE_RETRY_TIMELINE = _function_of_0011()
+# 0011's function, restored on reverse.
+REVERSE_RETRY_TIMELINE = """\
+CREATE OR REPLACE FUNCTION wd_record_deliveries_moved() RETURNS trigger
+LANGUAGE plpgsql
+AS $$
+BEGIN
+    IF current_setting('workflow_delivery.timeline', true) IS NOT DISTINCT FROM 'off' THEN
+        RETURN NULL;
+    END IF;
+    -- 0007's row function, row by row: the kind and actor from the new status, the
+    -- transaction's actor setting and, for an unnamed return to pending, the lease
+    -- it took away.
+    INSERT INTO workflow_delivery_timeline
+        (community_id, delivery_id, at, kind, generation, attempts, status_before, status_after, actor)
+    SELECT n.community_id, n.id, clock_timestamp(),
+           CASE
+               WHEN n.status = 'claimed' THEN 'claimed'
+               WHEN n.status = 'pending' THEN
+                   CASE WHEN w.actor = 'reaper' OR (w.actor IS NULL AND o.lease_until < now())
+                        THEN 'reaped' ELSE 'released' END
+               WHEN n.status = 'failed' AND w.actor = 'reaper' THEN 'attempts_exhausted'
+               WHEN n.status = 'failed' AND w.operator THEN 'operator_failed'
+               ELSE n.status
+           END,
+           n.lease_generation, n.attempts, o.status, n.status,
+           coalesce(w.actor, CASE WHEN n.status = 'claimed' THEN 'holder'
+                                  WHEN n.status = 'pending' THEN 'sql'
+                                  WHEN o.status = 'claimed' THEN 'holder'
+                                  ELSE 'sql' END)
+      FROM moved_new AS n
+      JOIN moved_old AS o ON o.id = n.id
+     CROSS JOIN (
+           SELECT a.actor, coalesce(a.actor = 'operator' OR a.actor LIKE 'operator:%', false)
+                  AS operator
+             FROM (SELECT nullif(current_setting('workflow_delivery.actor', true), '') AS actor) AS a
+     ) AS w
+     WHERE n.status IS DISTINCT FROM o.status;
+    RETURN NULL;
+END
+$$;"""
 
 # 0011's guard, with the recorded error of a terminal row held as fast as its outcome.
 GUARD = """
