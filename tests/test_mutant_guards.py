@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import time
+
 import psycopg
 import pytest
 from django.db import connection, transaction
 
 from tests import factories
+from tests.test_consumer import Running, consumer_for
 from tests.test_hardening import other
 from workflow_delivery import fence, services
 from workflow_delivery.models import WorkflowAgentDelivery
@@ -103,3 +106,26 @@ def test_a_write_waits_for_a_deletion_in_progress_and_is_then_refused(write):
             assert refused.value.diag.constraint_name == "wd_community_write_fence"
         finally:
             conn.rollback()
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_renew_that_meets_the_handlers_own_block_leaves_the_lease_live():
+    step = factories.Step(targets=1)
+    (delivery,) = factories.committed(step)
+    seen_lost: list[bool] = []
+
+    def long_block(record, lease, context) -> None:
+        # The block holds the row across at least one beat (every 2/3 s), whose renew
+        # then times out behind it: busy, and the lease still the handler's. The block
+        # does not settle, so the consumer finishes the delivery after the handler.
+        with context.holding():
+            time.sleep(1.5)
+        seen_lost.append(context.lost.is_set())
+
+    consumer = consumer_for(step, long_block, lease_seconds=2, max_deliveries=1)
+    with Running(consumer) as running:
+        stats = running.join(20)
+    assert stats.renew_busy >= 1, stats
+    assert seen_lost == [False]
+    assert stats.finished == 1 and stats.lost == 0, stats
+    assert WorkflowAgentDelivery.objects.get(pk=delivery.id).status == "finished"
