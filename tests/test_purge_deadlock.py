@@ -17,12 +17,12 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import pytest
-from django.db import connection
+from django.db import DatabaseError, connection, transaction
 
 from tests import factories
 from tests.test_concurrency import scalar, wait_until_blocked
 from workflow_delivery import fence, services, sql
-from workflow_delivery.exceptions import CommunityWriteFenced, LeaseLostError
+from workflow_delivery.exceptions import CommunityWriteFenced, LeaseLostError, PurgeDeadlocked
 from workflow_delivery.models import Community, WorkflowAgentDelivery
 from workflow_delivery.protocol import Lease, LeaseLost, Outcome
 
@@ -215,3 +215,68 @@ def test_the_writers_lock_is_the_fences_deletion_key(db):
         pairs = cursor.fetchall()
     assert len(pairs) == 3
     assert all(written == called for written, called in pairs)
+
+
+def foreign_writer(step: factories.Step, holding_row: threading.Event, go: threading.Event):
+    """Raw SQL outside the app: it locks a run of the community first, and only its
+    UPDATE's fence trigger asks for the deletion lock. Its own deadlock check comes
+    late, so the purge (1 s) is the one that finds the cycle."""
+
+    def write() -> str:
+        scalar("SELECT set_config('deadlock_timeout', '30s', false)")
+        try:
+            with transaction.atomic(), connection.cursor() as cursor:
+                cursor.execute(
+                    "SELECT id FROM workflow_runs WHERE id = %s FOR UPDATE", [step.run.id]
+                )
+                holding_row.set()
+                assert go.wait(30)
+                cursor.execute("UPDATE workflow_runs SET id = id WHERE id = %s", [step.run.id])
+        except DatabaseError as exc:
+            return exc.__cause__.diag.constraint_name
+        return "written"
+
+    return write
+
+
+def test_a_purge_chosen_as_a_deadlocks_victim_tries_again(elsewhere):
+    step, _lease, generation = fenced_with_lease()
+    holding_row, go = threading.Event(), threading.Event()
+    writer, _ = elsewhere(foreign_writer(step, holding_row, go))
+    assert holding_row.wait(30)
+
+    def purge() -> dict[str, int]:
+        scalar("SELECT set_config('deadlock_timeout', '1s', false)")
+        return fence.purge_community(step.community.id, generation)
+
+    purging, purge_pid = elsewhere(purge)
+    wait_until_blocked(purge_pid)  # on the writer's run
+    go.set()
+    # The first try is the victim; the writer, let through, is refused by the fence
+    # and ends; the second try deletes everything.
+    assert purging.result(timeout=60)["workflow_runs"] == 1
+    assert writer.result(timeout=60) == "wd_community_write_fence"
+    assert remaining(step) == 0
+
+
+def test_a_purge_in_the_callers_transaction_reports_the_deadlock_by_name(elsewhere):
+    step, _lease, generation = fenced_with_lease()
+    holding_row, go = threading.Event(), threading.Event()
+    writer, _ = elsewhere(foreign_writer(step, holding_row, go))
+    assert holding_row.wait(30)
+
+    def purge() -> str:
+        scalar("SELECT set_config('deadlock_timeout', '1s', false)")
+        try:
+            with transaction.atomic():
+                fence.purge_community(step.community.id, generation)
+        except PurgeDeadlocked:
+            return "PurgeDeadlocked"
+        return "purged"
+
+    purging, purge_pid = elsewhere(purge)
+    wait_until_blocked(purge_pid)
+    go.set()
+    assert purging.result(timeout=60) == "PurgeDeadlocked"
+    writer.result(timeout=60)
+    assert remaining(step) == 2
