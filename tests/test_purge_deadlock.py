@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
@@ -280,3 +281,42 @@ def test_a_purge_in_the_callers_transaction_reports_the_deadlock_by_name(elsewhe
     assert purging.result(timeout=60) == "PurgeDeadlocked"
     writer.result(timeout=60)
     assert remaining(step) == 2
+
+
+def test_a_holder_stuck_in_holding_past_its_lease_stalls_neither_the_reaper_nor_others(elsewhere):
+    # Its block holds the row and the community's shared deletion lock, which the
+    # reaper takes too (shared with the block), so the sweep reclaims every other
+    # expired lease; once the stuck holder moves on, its finish fails closed and its
+    # row is reclaimed by the next sweep.
+    step = factories.Step(targets=3)
+    factories.committed(step)
+    leases = []
+    for target in step.targets:
+        claimed = services.claim_delivery(step.community.id, target, lease_seconds=1)
+        assert claimed is not None
+        leases.append(claimed[0])
+    stuck = leases[0]
+    inside, go = threading.Event(), threading.Event()
+
+    def hold() -> str:
+        try:
+            with services.holding(stuck) as held:
+                inside.set()
+                assert go.wait(30)
+                held.finish(Outcome.FINISHED)
+        except LeaseLostError:
+            return "lost"
+        return "finished"
+
+    holder, _ = elsewhere(hold)
+    assert inside.wait(30)
+    time.sleep(1.2)  # every lease has run out
+    assert services.reap_expired_deliveries() == 2
+    ids = [lease.delivery_id for lease in leases[1:]]
+    others = WorkflowAgentDelivery.objects.filter(id__in=ids)
+    assert set(others.values_list("status", flat=True)) == {"pending"}
+    go.set()
+    assert holder.result(timeout=60) == "lost"
+    assert services.reap_expired_deliveries() == 1
+    row = WorkflowAgentDelivery.objects.get(pk=stuck.delivery_id)
+    assert (row.status, row.lease_generation) == ("pending", stuck.generation + 1)
