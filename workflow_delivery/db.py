@@ -18,7 +18,7 @@ from typing import Any, NoReturn
 from uuid import UUID
 
 from django.db import DatabaseError, connections, transaction
-from django.db.models import Q
+from django.db.models import BooleanField, Q
 from django.db.models.expressions import RawSQL
 
 from . import lane as _lane
@@ -468,12 +468,22 @@ def record(row: Sequence) -> DeliveryRecord:
 _PENDING = RawSQL("'pending'", ())
 
 
+# The community's shared deletion lock, taken by the scan's filter before the
+# locking read takes the row (``sql.entering_fence``).
+_ENTERING_FENCE = RawSQL(
+    sql.entering_fence(f"{sql.DELIVERIES}.{sql.quote_name('community_id')}"),
+    (),
+    output_field=BooleanField(),
+)
+
+
 def _claim_queryset(filters: dict[str, object], using: str):
     # The oldest pending row nobody else holds: a locked row is someone else's
     # claim in flight, so skip it rather than queue behind it. A retried row still
     # backing off is passed over by a filter on the claim index's scan.
     rows = WorkflowAgentDelivery.objects.using(using).filter(
         Q(available_at__isnull=True) | Q(available_at__lte=StatementTimestamp()),
+        _ENTERING_FENCE,
         status=_PENDING,
         **filters,
     )

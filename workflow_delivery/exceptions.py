@@ -89,6 +89,12 @@ class StaleFenceGeneration(WorkflowDeliveryError):
     """The executor presented a fence generation that is no longer current."""
 
 
+class PurgeDeadlocked(WorkflowDeliveryError):
+    """A purge chosen as a deadlock's victim on every one of its tries (each time by a
+    writer outside the app that locked a tenant row before the fence's lock); nothing
+    was deleted."""
+
+
 class ExecutorNotAuthorized(WorkflowDeliveryError, PermissionError):
     """The connection's role may not act as the deletion executor: it lacks EXECUTE on
     ``wd_present_executor`` (the migrating role and the roles granted it have it)."""

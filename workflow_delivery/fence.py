@@ -16,7 +16,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from uuid import UUID
 
-from django.db import DEFAULT_DB_ALIAS, DatabaseError, connections, transaction
+from django.db import DEFAULT_DB_ALIAS, DatabaseError, OperationalError, connections, transaction
 
 from . import errors, sql
 from .exceptions import (
@@ -24,6 +24,7 @@ from .exceptions import (
     ExecutorNotAuthorized,
     InvalidLifecycleTransition,
     ProtocolError,
+    PurgeDeadlocked,
     StaleFenceGeneration,
     UnexpectedCommunityState,
 )
@@ -130,12 +131,41 @@ def _present(cursor, community_id: UUID, generation: int, using: str) -> None:
         ) from exc
 
 
+# Tries of a purge that a deadlock chose as its victim.
+PURGE_ATTEMPTS = 3
+
+
 def purge_community(
     community_id: UUID | str, generation: int, *, using: str = DEFAULT_DB_ALIAS
 ) -> dict[str, int]:
     """Delete every tenant row of a community that is not active, as the executor.
-    Returns the number of rows deleted per table."""
+    Returns the number of rows deleted per table.
+
+    The app's own writers take the community's deletion lock before its rows, as the
+    purge does, so they never deadlock with it. A writer outside the app (raw SQL, an
+    ORM write of a run) takes a row first and the lock in the fence trigger; a purge
+    that deadlock detection chose as the victim rolls back and, in a transaction of
+    its own, tries again, up to ``PURGE_ATTEMPTS`` times in all. A purge inside the
+    caller's transaction cannot try again. Either way the caller gets
+    ``PurgeDeadlocked``, never the driver's error."""
     community_id = as_uuid("community_id", community_id)
+    attempts = 1 if connections[using].in_atomic_block else PURGE_ATTEMPTS
+    attempt = 0
+    while True:
+        attempt += 1
+        try:
+            return _purge(community_id, generation, using)
+        except OperationalError as exc:
+            if errors.sqlstate(exc) != "40P01":  # deadlock_detected
+                raise
+            if attempt >= attempts:
+                raise PurgeDeadlocked(
+                    f"community {community_id}: the purge was a deadlock's victim "
+                    f"{attempt} time(s); nothing was deleted"
+                ) from exc
+
+
+def _purge(community_id: UUID, generation: int, using: str) -> dict[str, int]:
     deleted: dict[str, int] = {}
     with executor_writes(community_id, generation, using=using) as state:
         if state == DeletionState.ACTIVE:

@@ -579,6 +579,10 @@ def holding(lease: Lease, *, using: str = DEFAULT_DB_ALIAS) -> Iterator[Held]:
     only under the live lease, and a block that finishes the delivery is the last any
     holder can commit: an effect written in that block happens exactly once.
 
+    Entry takes the community's shared deletion lock before the row, as every
+    writer does, and holds it to the end: a deletion of the community (a lifecycle
+    move, a purge) waits for the block, and the block waits for one in progress.
+
     The row lock also holds back the holder's own heartbeat (``renew_delivery`` waits
     for it), so renew just before entering and keep the block well inside the lease.
     Nested in a caller's transaction, the block is a savepoint and the row stays

@@ -42,7 +42,7 @@ from .models import (
 )
 from .wakeups import WAKE_CHANNEL
 
-_q = connection.ops.quote_name
+_q = quote_name = connection.ops.quote_name
 
 DELIVERIES = _q(WorkflowAgentDelivery._meta.db_table)
 COMMUNITIES = _q(Community._meta.db_table)
@@ -233,6 +233,26 @@ ON CONFLICT DO NOTHING
 """
 
 
+def entering_fence(column: str = "community_id") -> str:
+    """A condition that takes the shared deletion lock of the row's community (the
+    ``column`` of the row being read) and is always true.
+
+    The deletion executor takes the exclusive lock first and then deletes the
+    community's rows, so every statement of the app that locks a delivery row takes
+    the shared lock first too: in the scan's filter, so before the locking read or
+    the UPDATE takes the row. The fence trigger asks for the same lock only once the
+    row is locked; a writer that reached it holding a row the executor is about to
+    delete would deadlock with the executor. Taken once, the lock is held to the
+    end of the transaction, as the trigger's is, and asking again costs nothing."""
+    return f"pg_advisory_xact_lock_shared({DELETION_KEY.format(column=column)}) IS NOT NULL"
+
+
+# wd_community_deletion_key(column) (migration 0003) written out: a call of that
+# function (its search_path pinned, so never inlined) costs the hot path more than
+# the lock it names. tests/test_purge_deadlock.py holds the two equal.
+DELETION_KEY = "hashtextextended('workflow_delivery.community_deletion:' || {column}::text, 0)"
+
+
 # Lease times come from statement_timestamp(), the start of the statement that
 # asks: now() is the start of the caller's transaction, which may be long past, so
 # by now() an expired lease could renew itself or a claim hand out a dead lease.
@@ -275,6 +295,7 @@ WITH picked AS (
     SELECT id FROM {DELIVERIES}
      WHERE community_id = %s AND target_pubkey = %s AND status = 'pending'
        AND (available_at IS NULL OR available_at <= statement_timestamp())
+       AND {entering_fence()}
      ORDER BY created_at, id
      LIMIT %s
      FOR UPDATE SKIP LOCKED
@@ -310,6 +331,7 @@ settled AS (
      WHERE d.community_id = l.community_id AND d.id = l.id
        AND d.target_pubkey = l.target_pubkey AND d.lease_generation = l.lease_generation
        AND d.status = 'claimed' AND d.lease_until >= statement_timestamp()
+       AND {entering_fence("d.community_id")}
     RETURNING l.n
 )
 SELECT l.n, s.n IS NOT NULL,
@@ -329,10 +351,12 @@ _BACK_TO_PENDING = (
 # The lease fields a terminal row gives up (finish, operator mark failed).
 _SETTLE = "finished_at = statement_timestamp(), lease_until = NULL, claimed_at = NULL"
 
-# The four conditions of a live lease: claimed, same generation, same target, not expired.
-_LIVE_LEASE = """
+# The four conditions of a live lease: claimed, same generation, same target, not
+# expired; and the community's shared deletion lock, taken before the row.
+_LIVE_LEASE = f"""
   community_id = %s AND id = %s AND target_pubkey = %s AND lease_generation = %s
   AND status = 'claimed' AND lease_until >= statement_timestamp()
+  AND {entering_fence()}
 """
 
 RENEW = f"""
@@ -403,10 +427,15 @@ _LIVE_LEASE_AT_STATEMENT = """
   AND status = 'claimed' AND lease_until >= statement_timestamp()
 """
 
-# Lock the row of a live lease until the block's transaction ends. A wait behind
+# Lock the row of a live lease until the block's transaction ends, after the
+# community's shared deletion lock (also held to the end): a deletion waits for the
+# block, and a purge in progress is waited for before the row is taken. A wait behind
 # another locker ends with the WHERE re-read on the row as that locker left it (a
 # reap or release bumped the generation: no row), but against this statement's start.
-HOLD_LOCK = f"SELECT lease_until FROM {DELIVERIES} WHERE {_LIVE_LEASE_AT_STATEMENT} FOR UPDATE"
+HOLD_LOCK = f"""
+SELECT lease_until FROM {DELIVERIES} WHERE {_LIVE_LEASE_AT_STATEMENT} AND {entering_fence()}
+   FOR UPDATE
+"""
 
 # Asked once the lock is ours, and again before an unfinished block commits: the
 # lease may have run out meanwhile, and nobody else can change the row now.
