@@ -22,7 +22,8 @@ import time
 from urllib.parse import urlencode, urlsplit
 from uuid import UUID
 
-from .api import documents, nip98
+from . import keys
+from .api import documents
 from .exceptions import AgentApiError, ProtocolError
 from .protocol import (
     AlreadyTerminal,
@@ -112,7 +113,7 @@ class AgentClient:
         self._host_header = community_host or self._parts.netloc
         self.community_host = community_host or (self._parts.hostname or "")
         self._secret = _secret(secret_key)
-        self.pubkey = nip98.public_key(self._secret)
+        self.pubkey = keys.public_key_bytes(self._secret)
         self.timeout = timeout
         self._connection: http.client.HTTPConnection | None = None
         self._used_at = 0.0
@@ -158,7 +159,7 @@ class AgentClient:
         """Send one signed request; the status and the JSON answer (None when empty)."""
         url = self.base_url + path + (f"?{urlencode(query)}" if query else "")
         body = b"" if document is None else json.dumps(document, separators=(",", ":")).encode()
-        authorization = nip98.sign_request(
+        authorization = keys.sign_request(
             self._secret, url=url, method=method, body=body, host=self.community_host
         )
         headers = {
