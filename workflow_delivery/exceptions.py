@@ -63,6 +63,11 @@ class StepMessageConflict(ProtocolError):
     """A commit whose message event differs from the one the step's deliveries carry."""
 
 
+class IdempotencyConflict(ProtocolError):
+    """An idempotency key already used for another message (other content, targets,
+    kind, tags, sender or run): a retry must send what the first call sent."""
+
+
 class StepIdentityClosed(WorkflowDeliveryError, RuntimeError):
     """``StepIdentity.commit`` called after its ``delivery_identity`` block closed."""
 
