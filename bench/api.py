@@ -75,7 +75,7 @@ def _agent(mode: str, index: int, secret: bytes, where: str, community: str, bar
         from django.db import connections
 
         from workflow_delivery import services
-        from workflow_delivery.api.nip98 import public_key
+        from workflow_delivery.keys import public_key_bytes as public_key
 
         target = public_key(secret)
 
@@ -237,7 +237,7 @@ def main(argv: list[str] | None = None) -> int:
     options = _arguments(argv)
     secrets = [os.urandom(32) for _ in range(options.agents)]
     with common.bench_database(options.db_prefix, quiet=True) as db:
-        from workflow_delivery.api.nip98 import public_key
+        from workflow_delivery.keys import public_key_bytes as public_key
 
         keys = [public_key(secret) for secret in secrets]
         with db.connect() as conn:

@@ -12,6 +12,7 @@ from django.conf import settings
 from django.test import Client
 
 from bench import common
+from workflow_delivery import keys
 from workflow_delivery.api import nip98
 
 MOUNT = "/agents/"
@@ -22,7 +23,7 @@ def secret() -> bytes:
 
 
 def pubkey(secret_key: bytes) -> bytes:
-    return nip98.public_key(secret_key)
+    return keys.public_key_bytes(secret_key)
 
 
 def signed(

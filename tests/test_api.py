@@ -108,7 +108,7 @@ def test_claim_renew_get_finish(client, agent):
 
 
 def test_claim_with_the_expected_binding_and_with_one_field_off(client, agent):
-    from workflow_delivery.api.documents import binding_document
+    from workflow_delivery.wire import binding_document
 
     expected = binding_document(agent.step.binding(agent.pubkey))
     off = json.loads(json.dumps(expected))
@@ -492,7 +492,7 @@ def test_lease_seconds_above_the_configured_maximum_names_the_field(client, agen
     ],
 )
 def test_bad_expected_binding_field_is_a_400_naming_it(client, agent, field, value, named):
-    from workflow_delivery.api.documents import binding_document
+    from workflow_delivery.wire import binding_document
 
     expected = binding_document(agent.step.binding(agent.pubkey)) | {field: value}
     before = rows()

@@ -12,7 +12,7 @@ from uuid import UUID
 import pytest
 
 from buzz_project.demo import data as demo
-from workflow_delivery.api import nip98
+from workflow_delivery import keys
 from workflow_delivery.client import AgentClient
 from workflow_delivery.consumer import Consumer, DeliveryContext
 from workflow_delivery.exceptions import AgentApiError, ProtocolError
@@ -49,8 +49,8 @@ class Script:
 
 def test_demo_targets_are_the_public_keys_of_the_agents_secret_keys(alpha):
     for host in demo.HOSTS:
-        keys = [nip98.public_key(demo.agent_secret(host, name)) for name in demo.AGENTS]
-        assert demo.agent_pubkeys(host) == keys
+        expected = [keys.public_key_bytes(demo.agent_secret(host, name)) for name in demo.AGENTS]
+        assert demo.agent_pubkeys(host) == expected
     targets = set(WorkflowAgentDelivery.objects.values_list("target_pubkey", flat=True))
     assert {bytes(t) for t in targets} == {k for h in demo.HOSTS for k in demo.agent_pubkeys(h)}
 

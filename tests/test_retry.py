@@ -17,8 +17,7 @@ from django.test import Client, override_settings
 from django.urls import reverse
 
 from tests import factories
-from workflow_delivery import checks, history, services, sql
-from workflow_delivery.api import documents
+from workflow_delivery import checks, history, services, sql, wire
 from workflow_delivery.api.wake import hub
 from workflow_delivery.consumer import Consumer, PermanentFailure
 from workflow_delivery.exceptions import (
@@ -465,13 +464,13 @@ def test_get_delivery_and_the_api_document_carry_the_last_error(settings):
     assert response.status_code == 200, response.content
     document = response.json()
     assert document["attempts"] == 1
-    assert document["available_at"] == documents.instant(result.available_at)
+    assert document["available_at"] == wire.instant(result.available_at)
     assert document["last_error"] == {
         "type": "RuntimeError",
         "message": "rate limited",
-        "at": documents.instant(record.last_error.at),
+        "at": wire.instant(record.last_error.at),
     }
-    assert documents.parse_delivery(document) == record
+    assert wire.parse_delivery(document) == record
 
     # The wait's look for a pending delivery passes over it too.
     waited = signed(client, "GET", "v1/wait", host=host, secret_key=key, query="timeout=0")

@@ -11,7 +11,9 @@
         ...
         client.finish(lease, "finished")
 
-Needs only the standard library and coincurve (no Django settings, no database).
+Imports no Django and no server module: the standard library, the protocol's values
+and their wire form (``protocol``, ``wire``, ``exceptions``) and the agent's keys
+(``keys``, which needs coincurve: the ``[api]`` extra).
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import time
 from urllib.parse import urlencode, urlsplit
 from uuid import UUID
 
-from .api import documents, nip98
+from . import keys, wire
 from .exceptions import AgentApiError, ProtocolError
 from .protocol import (
     AlreadyTerminal,
@@ -48,17 +50,6 @@ _QUOTED_CHARS = 200
 # close idle connections (uvicorn after 5 s) and a request sent into a closing
 # connection cannot be told apart from one the server received.
 _IDLE_SECONDS = 2.0
-
-
-def _secret(value: bytes | str) -> bytes:
-    if isinstance(value, str):
-        try:
-            value = bytes.fromhex(value)
-        except ValueError:
-            raise ProtocolError("secret_key", "must be 32 bytes or 64 hex characters") from None
-    if not isinstance(value, bytes) or len(value) != 32:
-        raise ProtocolError("secret_key", "must be 32 bytes or 64 hex characters")
-    return value
 
 
 def _address(value: object) -> tuple[str, int]:
@@ -111,8 +102,8 @@ class AgentClient:
             raise ProtocolError("community_host", f"must be a host name, not {community_host!r}")
         self._host_header = community_host or self._parts.netloc
         self.community_host = community_host or (self._parts.hostname or "")
-        self._secret = _secret(secret_key)
-        self.pubkey = nip98.public_key(self._secret)
+        self._secret = keys.secret_key_bytes(secret_key)
+        self.pubkey = keys.public_key_bytes(self._secret)
         self.timeout = timeout
         self._connection: http.client.HTTPConnection | None = None
         self._used_at = 0.0
@@ -158,7 +149,7 @@ class AgentClient:
         """Send one signed request; the status and the JSON answer (None when empty)."""
         url = self.base_url + path + (f"?{urlencode(query)}" if query else "")
         body = b"" if document is None else json.dumps(document, separators=(",", ":")).encode()
-        authorization = nip98.sign_request(
+        authorization = keys.sign_request(
             self._secret, url=url, method=method, body=body, host=self.community_host
         )
         headers = {
@@ -217,7 +208,7 @@ class AgentClient:
         if delivery_id is not None:
             document["delivery_id"] = str(delivery_id)
         if expected is not None:
-            document["expected"] = documents.binding_document(expected)
+            document["expected"] = wire.binding_document(expected)
         status, answer = self.request("POST", "v1/claim", document)
         if status == 204:
             return None
@@ -229,9 +220,9 @@ class AgentClient:
     def _claimed(document: dict) -> Claimed:
         delivery = document["delivery"]
         return Claimed(
-            lease=documents.parse_lease(document["lease"]),
-            record=documents.parse_delivery(delivery),
-            message=documents.parse_message(delivery.get("message")),
+            lease=wire.parse_lease(document["lease"]),
+            record=wire.parse_delivery(delivery),
+            message=wire.parse_message(delivery.get("message")),
         )
 
     def claim_many(self, limit: int, *, lease_seconds: int | None = None) -> list[Claimed]:
@@ -284,7 +275,7 @@ class AgentClient:
             return LeaseLost()
         if status != 200:
             raise self._refusal(status, answer)
-        return Renewed(lease_until=documents.parse_instant(answer["lease_until"]))
+        return Renewed(lease_until=wire.parse_instant(answer["lease_until"]))
 
     def finish(self, lease: Lease, outcome: Outcome | str) -> Settled | AlreadyTerminal | LeaseLost:
         document = {"generation": lease.generation, "outcome": Outcome(outcome).value}
@@ -306,13 +297,13 @@ class AgentClient:
     def get(self, delivery_id: UUID | str) -> DeliveryRecord | None:
         """One of this agent's deliveries; None when missing or someone else's."""
         answer = self._read(delivery_id)
-        return None if answer is None else documents.parse_delivery(answer)
+        return None if answer is None else wire.parse_delivery(answer)
 
     def message(self, delivery_id: UUID | str) -> MessageEvent | None:
         """The message one of this agent's deliveries carries; None when the
         delivery is missing or someone else's."""
         answer = self._read(delivery_id)
-        return None if answer is None else documents.parse_message(answer.get("message"))
+        return None if answer is None else wire.parse_message(answer.get("message"))
 
     def wait(self, timeout: int = 30) -> WakeHint | None:
         """Block until a delivery for this agent is committed (a hint to claim now), or

@@ -9,7 +9,13 @@ from datetime import timedelta
 from typing import Any
 
 from django.conf import settings
+from django.core.exceptions import ImproperlyConfigured
 from django.core.signals import setting_changed
+
+
+class WorkflowDeliveryConfigurationError(ImproperlyConfigured):
+    """A WORKFLOW_DELIVERY_* setting is unusable."""
+
 
 DEFAULTS: dict[str, Any] = {
     "DEFAULT_LEASE_SECONDS": 60,

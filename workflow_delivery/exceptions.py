@@ -1,10 +1,14 @@
-"""Named facts. Expected outcomes (a miss, a lost lease) are values, not exceptions."""
+"""Named facts. Expected outcomes (a miss, a lost lease) are values, not exceptions.
+
+No Django import: the agent's client raises these too and runs without Django. The
+one error that is Django's kind, ``WorkflowDeliveryConfigurationError`` (an
+``ImproperlyConfigured``), lives with the settings in ``conf`` and is found here by
+name on first use.
+"""
 
 from __future__ import annotations
 
 from uuid import UUID
-
-from django.core.exceptions import ImproperlyConfigured
 
 
 class WorkflowDeliveryError(Exception):
@@ -57,6 +61,11 @@ class CommunityWriteFenced(WorkflowDeliveryError):
 
 class StepMessageConflict(ProtocolError):
     """A commit whose message event differs from the one the step's deliveries carry."""
+
+
+class IdempotencyConflict(ProtocolError):
+    """An idempotency key already used for another message (other content, targets,
+    kind, tags, sender or run): a retry must send what the first call sent."""
 
 
 class StepIdentityClosed(WorkflowDeliveryError, RuntimeError):
@@ -138,5 +147,9 @@ class AgentApiError(WorkflowDeliveryError):
         super().__init__(f"{status} {code}: {detail}")
 
 
-class WorkflowDeliveryConfigurationError(ImproperlyConfigured):
-    """A WORKFLOW_DELIVERY_* setting is unusable."""
+def __getattr__(name: str) -> type[Exception]:
+    if name == "WorkflowDeliveryConfigurationError":
+        from .conf import WorkflowDeliveryConfigurationError
+
+        return WorkflowDeliveryConfigurationError
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

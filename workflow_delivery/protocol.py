@@ -51,6 +51,7 @@ __all__ = [
     "Retried",
     "RetryResult",
     "ScheduleCause",
+    "SentMessage",
     "Settled",
     "Tags",
     "WakeHint",
@@ -366,6 +367,18 @@ class MessageEvent:
     kind: int
     tags: Tags
     content: str
+
+
+@dataclass(frozen=True, slots=True)
+class SentMessage:
+    """What ``send_message`` committed, or found committed under the same idempotency
+    key (``created`` False): the run and step, the message, one record per target."""
+
+    run_id: UUID
+    step_id: str
+    message: MessageEvent
+    deliveries: tuple[DeliveryRecord, ...]
+    created: bool
 
 
 @dataclass(frozen=True, slots=True)

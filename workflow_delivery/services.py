@@ -91,6 +91,7 @@ __all__ = [
     "release_lease",
     "renew_delivery",
     "retry_delivery",
+    "send_message",
 ]
 
 
@@ -359,6 +360,9 @@ def commit_deliveries(
     # autocommit it is its own transaction (all rows or none), else the caller's.
     insert = sql.LOCK_AND_INSERT_SHARED_DELIVERIES if shared else sql.LOCK_AND_INSERT_DELIVERIES
     return _insert_deliveries(insert, [*lock, identity.community_id, *params], using)
+
+
+from .sending import send_message  # noqa: E402  (the one-call producer, built on the above)
 
 
 def _claim_filters(

@@ -27,8 +27,7 @@ from django.contrib.auth import get_user_model
 from django.db import DEFAULT_DB_ALIAS, connections
 from django.utils import timezone
 
-from workflow_delivery import fence, services
-from workflow_delivery.api import nip98
+from workflow_delivery import fence, keys, services
 from workflow_delivery.client import AgentClient
 from workflow_delivery.consumer import (
     Consumer,
@@ -103,7 +102,7 @@ def agent_secret(host: str, name: str) -> bytes:
 
 @functools.cache
 def _agent_pubkeys(host: str) -> tuple[bytes, ...]:
-    return tuple(nip98.public_key(agent_secret(host, name)) for name in AGENTS)
+    return tuple(keys.public_key_bytes(agent_secret(host, name)) for name in AGENTS)
 
 
 def agent_pubkeys(host: str) -> list[bytes]:

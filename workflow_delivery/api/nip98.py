@@ -1,9 +1,9 @@
 """NIP-98 HTTP Auth: the signed event an agent puts in ``Authorization: Nostr <base64>``.
 
-Pure functions, no Django and no I/O: parsing the header, the NIP-01 event id, the
-BIP-340 signature (behind ``verify_signature``, the one call into coincurve), the
-request checks (kind, URL, method, payload hash), and the signing side for clients.
-Every refusal raises ``AgentAuthRefused`` with a stable code.
+The server's side, pure functions with no Django and no I/O: parsing the header, the
+event's id and BIP-340 signature, and the request checks (kind, URL, method, payload
+hash, host). Every refusal raises ``AgentAuthRefused`` with a stable code. The keys,
+the id and the signing side (``sign_request``) are ``workflow_delivery.keys``'s.
 """
 
 from __future__ import annotations
@@ -12,14 +12,11 @@ import base64
 import binascii
 import hashlib
 import json
-import os
 import re
-import time
 from dataclasses import dataclass
 
-import coincurve
-
 from ..exceptions import AgentAuthRefused
+from ..keys import HTTP_AUTH_KIND, SCHEME, event_id, sign_request, verify_signature
 
 __all__ = [
     "HTTP_AUTH_KIND",
@@ -29,14 +26,11 @@ __all__ = [
     "check_request",
     "event_id",
     "parse_authorization",
-    "public_key",
     "sign_request",
     "verify_event",
     "verify_signature",
 ]
 
-HTTP_AUTH_KIND = 27235
-SCHEME = "Nostr"
 # A NIP-98 event is a few hundred bytes; anything far larger is not one.
 MAX_HEADER_CHARS = 8192
 MAX_CREATED_AT = 2**40
@@ -118,28 +112,6 @@ def parse_authorization(header: str | None) -> SignedEvent:
     )
 
 
-def event_id(
-    pubkey: bytes, created_at: int, kind: int, tags: list[list[str]], content: str
-) -> bytes:
-    """The NIP-01 id: sha256 of the compact UTF-8 JSON ``[0, pubkey, created_at, kind,
-    tags, content]`` (Python's JSON escaping without ensure_ascii is NIP-01's)."""
-    serialised = json.dumps(
-        [0, pubkey.hex(), created_at, kind, tags, content],
-        separators=(",", ":"),
-        ensure_ascii=False,
-    )
-    return hashlib.sha256(serialised.encode("utf-8", "surrogatepass")).digest()
-
-
-def verify_signature(pubkey: bytes, message: bytes, signature: bytes) -> bool:
-    """BIP-340: is ``signature`` the x-only key ``pubkey``'s Schnorr signature of the
-    32-byte ``message``? False for a key that is not a curve point; never raises."""
-    try:
-        return coincurve.PublicKeyXOnly(pubkey).verify(signature, message)
-    except (ValueError, TypeError):
-        return False
-
-
 def verify_event(event: SignedEvent) -> bytes:
     """Check the event's id and signature; returns the signing key (the caller)."""
     if event_id(event.pubkey, event.created_at, event.kind, event.tags, event.content) != event.id:
@@ -183,47 +155,3 @@ def check_request(event: SignedEvent, *, url: str, method: str, body: bytes) -> 
         return
     if payload != hashlib.sha256(body).hexdigest():
         raise AgentAuthRefused("auth_payload_mismatch", "the body is not the one that was signed")
-
-
-def public_key(secret_key: bytes) -> bytes:
-    """The 32-byte x-only public key of a secret key."""
-    return coincurve.PublicKeyXOnly.from_secret(secret_key).format()
-
-
-def sign_request(
-    secret_key: bytes,
-    *,
-    url: str,
-    method: str,
-    body: bytes = b"",
-    created_at: int | None = None,
-    kind: int = HTTP_AUTH_KIND,
-    tags: list[list[str]] | None = None,
-    host: str | None = None,
-) -> str:
-    """The ``Authorization`` value for one request: a fresh NIP-98 event signed by
-    ``secret_key``, naming the community's ``host`` in a ``host`` tag when given
-    (``tags`` replaces the derived ones, for tests of refusals)."""
-    pubkey = public_key(secret_key)
-    stamp = int(time.time()) if created_at is None else created_at
-    if tags is None:
-        tags = [["u", url], ["method", method]]
-        if body:
-            tags.append(["payload", hashlib.sha256(body).hexdigest()])
-        if host is not None:
-            tags.append(["host", host])
-    # A random nonce tag keeps two requests signed in the same second distinct events.
-    tags = [*tags, ["nonce", os.urandom(8).hex()]]
-    digest = event_id(pubkey, stamp, kind, tags, "")
-    signature = coincurve.PrivateKey(secret_key).sign_schnorr(digest, os.urandom(32))
-    document = {
-        "id": digest.hex(),
-        "pubkey": pubkey.hex(),
-        "created_at": stamp,
-        "kind": kind,
-        "tags": tags,
-        "content": "",
-        "sig": signature.hex(),
-    }
-    encoded = base64.b64encode(json.dumps(document, separators=(",", ":")).encode()).decode()
-    return f"{SCHEME} {encoded}"

@@ -20,7 +20,7 @@ from ninja import NinjaAPI, Query, Status
 from ninja.decorators import decorate_view
 from ninja.errors import AuthenticationError, HttpError, ValidationError
 
-from .. import db, services
+from .. import db, services, wire
 from ..conf import app_settings
 from ..exceptions import AgentAuthRefused, CommunityWriteFenced, ProtocolError
 from ..models import WorkflowAgentDelivery
@@ -34,7 +34,7 @@ from ..protocol import (
     Settled,
     as_uuid,
 )
-from . import documents, schema
+from . import schema
 from .auth import (
     ApiError,
     Caller,
@@ -169,8 +169,8 @@ def _claimed(
     lease: Lease, record: DeliveryRecord, message: MessageEvent | None
 ) -> dict[str, object]:
     return {
-        "lease": documents.lease_document(lease),
-        "delivery": documents.delivery_document(record, message=message),
+        "lease": wire.lease_document(lease),
+        "delivery": wire.delivery_document(record, message=message),
     }
 
 
@@ -226,7 +226,7 @@ def renew(request: HttpRequest, delivery_id: schema.Uuid, payload: schema.RenewI
     lease = _lease(_caller(request), delivery_id, payload.generation)
     result = services.renew_delivery(lease, lease_seconds=payload.lease_seconds)
     if isinstance(result, Renewed):
-        return Status(200, {"lease_until": documents.instant(result.lease_until)})
+        return Status(200, {"lease_until": wire.instant(result.lease_until)})
     return _lease_lost(request)
 
 
@@ -286,7 +286,7 @@ def get(request: HttpRequest, delivery_id: schema.Uuid):
         # Another agent's delivery answers exactly as a missing one.
         raise Http404
     message = services.message_events(caller.community_id, [record]).get(record.id)
-    return Status(200, documents.delivery_document(record, message=message))
+    return Status(200, wire.delivery_document(record, message=message))
 
 
 def _prepare_wait(caller: Caller) -> UUID | None:

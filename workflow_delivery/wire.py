@@ -10,8 +10,8 @@ from __future__ import annotations
 from datetime import UTC, datetime
 from uuid import UUID
 
-from ..exceptions import ProtocolError
-from ..protocol import (
+from .exceptions import ProtocolError
+from .protocol import (
     Cause,
     DeliveryBinding,
     DeliveryRecord,

@@ -1,0 +1,468 @@
+"""The producer's one call: ``send_message`` stores a message and commits one delivery
+of it per target, atomically and idempotently under a key the caller chooses.
+
+What a delivery refers to is made on first use, in the same transaction:
+
+* the **run**: ``uuid5(community, key)``, unless the caller names an existing run;
+* the **step**: the idempotency key itself (so a key is 1 to 64 characters);
+* the **workflow**: one per community, ``send_message``, with a deterministic id,
+  inserted once (``ON CONFLICT DO NOTHING``), unless the caller names one;
+* the **message event** (kind 9 by default): its tags name each target
+  (``["p", <hex>, "", "message-v1"]``), then ``["run", <run id>, <step>]`` so the
+  message is found from its run, then the caller's tags. Its id is the NIP-01 id of
+  its fields. The table keeps no signature: a message is vouched for by the database
+  that stored it, and its ``pubkey`` names the ``sender`` the caller gives, or the
+  32 zero bytes (``UNSIGNED_SENDER``), a key nobody holds, when it gives none.
+  An existing event may be sent instead (``message_event_id``).
+
+The step's identity lock serialises two calls with one key; the second finds the
+first's deliveries and returns them (``created`` False), if it asks for the same
+message, or raises ``IdempotencyConflict``. The key is remembered as long as its
+deliveries are (``prune_deliveries`` removes settled ones after their retention).
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterable
+from datetime import datetime
+from typing import Any
+from uuid import UUID
+
+from django.contrib.postgres.functions import TransactionNow
+from django.db import DEFAULT_DB_ALIAS
+
+from . import db, sql
+from .exceptions import CommunityNotFound, IdempotencyConflict, ProtocolError
+from .keys import event_id as nip01_event_id
+from .models import Community, Event, Workflow, WorkflowAgentDelivery, WorkflowRun
+from .protocol import (
+    MESSAGE_KIND,
+    MESSAGE_V1_MARKER,
+    STEP_ID_MAX_LENGTH,
+    Cause,
+    DeliveryBinding,
+    DeliveryRecord,
+    EventCause,
+    MessageEvent,
+    NewDelivery,
+    ScheduleCause,
+    SentMessage,
+    Tags,
+    WebhookCause,
+    as_bytes32,
+    as_uuid,
+    message_v1_targets,
+)
+
+__all__ = ["MAX_TARGETS", "NAMESPACE", "UNSIGNED_SENDER", "WORKFLOW_NAME", "send_message"]
+
+# The names of the rows send_message makes: uuid5 in this namespace.
+NAMESPACE = UUID("6f1c7e0a-3c2b-5d8e-9a41-2b7d0c9e5f13")
+WORKFLOW_NAME = "send_message"
+UNSIGNED_SENDER = bytes(32)
+# One statement inserts every delivery of a message (services.MAX_BATCH_SIZE).
+MAX_TARGETS = 1000
+MAX_KIND = 65535
+
+
+def workflow_id_for(community_id: UUID) -> UUID:
+    """The id of the community's ``send_message`` workflow."""
+    return uuid.uuid5(NAMESPACE, f"workflow/{community_id}")
+
+
+def run_id_for(community_id: UUID, idempotency_key: str) -> UUID:
+    """The id of the run ``send_message`` makes for one idempotency key."""
+    return uuid.uuid5(NAMESPACE, f"run/{community_id}/{idempotency_key}")
+
+
+def _text(field: str, value: object) -> str:
+    if not isinstance(value, str):
+        raise ProtocolError(field, f"must be a string, not {type(value).__name__}")
+    if "\x00" in value:
+        raise ProtocolError(field, "must not contain NUL characters")
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ProtocolError(field, "must be valid Unicode (no lone surrogates)") from None
+    return value
+
+
+def _key(value: object) -> str:
+    key = _text("idempotency_key", value)
+    if not 1 <= len(key) <= STEP_ID_MAX_LENGTH:
+        raise ProtocolError(
+            "idempotency_key", f"must be 1 to {STEP_ID_MAX_LENGTH} characters (it is the step id)"
+        )
+    if key.isspace():
+        raise ProtocolError("idempotency_key", "must not be blank")
+    return key
+
+
+def _public_key(field: str, value: object) -> bytes:
+    if isinstance(value, str):
+        text = value.lower()
+        if len(text) != 64 or any(char not in "0123456789abcdef" for char in text):
+            raise ProtocolError(field, f"must be 32 bytes or 64 hex characters, not {value!r}")
+        return bytes.fromhex(text)
+    return as_bytes32(field, value)
+
+
+def _targets(value: object) -> list[bytes]:
+    if isinstance(value, str | bytes | bytearray) or not isinstance(value, Iterable):
+        raise ProtocolError("targets", "must be a list of public keys (32 bytes or 64 hex)")
+    targets: list[bytes] = []
+    for item in value:
+        target = _public_key("targets", item)
+        if target in targets:
+            raise ProtocolError("targets", f"target {target.hex()} appears twice")
+        targets.append(target)
+        if len(targets) > MAX_TARGETS:
+            raise ProtocolError("targets", f"at most {MAX_TARGETS} targets per message")
+    if not targets:
+        raise ProtocolError("targets", "name at least one target")
+    return targets
+
+
+def _kind(value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_KIND:
+        raise ProtocolError("kind", f"must be a whole number from 0 to {MAX_KIND}, not {value!r}")
+    return value
+
+
+def _tags(value: object) -> Tags:
+    if value is None:
+        return []
+    if not isinstance(value, list | tuple):
+        raise ProtocolError("tags", "must be a list of lists of strings")
+    tags: Tags = []
+    for index, tag in enumerate(value):
+        if not isinstance(tag, list | tuple) or not tag:
+            raise ProtocolError("tags", f"tag {index} must be a non-empty list of strings")
+        tags.append([_text("tags", item) for item in tag])
+        if MESSAGE_V1_MARKER in tags[-1]:
+            raise ProtocolError(
+                "tags",
+                f"tag {index} carries {MESSAGE_V1_MARKER!r}: the targets name the addressees",
+            )
+    return tags
+
+
+def _optional_bytes32(field: str, value: object) -> bytes | None:
+    return None if value is None else as_bytes32(field, value)
+
+
+def _cause(value: object) -> Cause | None:
+    if value is not None and not isinstance(value, EventCause | ScheduleCause | WebhookCause):
+        raise ProtocolError("cause", "must be an EventCause, ScheduleCause or WebhookCause")
+    return value
+
+
+def _message_tags(targets: list[bytes], run_id: UUID, step_id: str, tags: Tags) -> Tags:
+    addressed = [["p", target.hex(), "", MESSAGE_V1_MARKER] for target in targets]
+    return [*addressed, ["run", str(run_id), step_id], *tags]
+
+
+def _own_tags(message: MessageEvent) -> Tags:
+    """The tags of a message that ``send_message`` did not derive from its targets and run."""
+    return [
+        tag
+        for tag in message.tags
+        if MESSAGE_V1_MARKER not in tag[1:] and not (tag[:1] == ["run"] and len(tag) == 3)
+    ]
+
+
+def _records(community_id: UUID, run_id: UUID, step_id: str, using: str) -> list[DeliveryRecord]:
+    rows = (
+        WorkflowAgentDelivery.objects.using(using)
+        .filter(community_id=community_id, run_id=run_id, step_id=step_id)
+        .values_list(*sql.RECORD_COLUMNS)
+    )
+    return [db.record(row) for row in rows]
+
+
+def _in_target_order(records: list[DeliveryRecord], targets: list[bytes]) -> tuple:
+    order = {target: index for index, target in enumerate(targets)}
+    return tuple(sorted(records, key=lambda r: order.get(r.binding.target_pubkey, len(order))))
+
+
+def _message_of(community_id: UUID, record: DeliveryRecord, using: str) -> MessageEvent:
+    row = (
+        Event.objects.using(using)
+        .filter(
+            community_id=community_id,
+            created_at=record.message_event_created_at,
+            id=record.binding.message_event_id,
+        )
+        .values_list("id", "created_at", "pubkey", "kind", "tags", "content")
+        .get()
+    )
+    return _message(row)
+
+
+def _message(row: Any) -> MessageEvent:
+    event_id, created_at, pubkey, kind, tags, content = row
+    return MessageEvent(
+        id=bytes(event_id),
+        pubkey=bytes(pubkey),
+        created_at=created_at,
+        kind=kind,
+        tags=tags,
+        content=content,
+    )
+
+
+def _differences(request: dict[str, Any], message: MessageEvent, targets: set[bytes]) -> list[str]:
+    found = []
+    if targets != set(request["targets"]):
+        found.append("targets")
+    if request["message_event_id"] is not None:
+        if message.id != request["message_event_id"]:
+            found.append("message_event_id")
+        return found
+    if message.content != request["content"]:
+        found.append("content")
+    if message.kind != request["kind"]:
+        found.append("kind")
+    if message.pubkey != request["sender"]:
+        found.append("sender")
+    if _own_tags(message) != request["tags"]:
+        found.append("tags")
+    return found
+
+
+def _already_sent(
+    community_id: UUID, run_id: UUID, key: str, request: dict[str, Any], using: str
+) -> SentMessage:
+    records = _records(community_id, run_id, key, using)
+    message = _message_of(community_id, records[0], using)
+    differences = _differences(
+        request, message, {record.binding.target_pubkey for record in records}
+    )
+    if differences:
+        raise IdempotencyConflict(
+            "idempotency_key",
+            f"{key!r} already sent a message with other {', '.join(differences)}; "
+            "a retry must send the same message, a new message needs a new key",
+        )
+    return SentMessage(
+        run_id=run_id,
+        step_id=key,
+        message=message,
+        deliveries=_in_target_order(records, request["targets"]),
+        created=False,
+    )
+
+
+def _database_now(community_id: UUID, using: str) -> datetime:
+    now = (
+        Community.objects.using(using)
+        .filter(pk=community_id)
+        .annotate(now=TransactionNow())
+        .values_list("now", flat=True)
+        .first()
+    )
+    if now is None:
+        raise CommunityNotFound(f"community {community_id} does not exist")
+    return now
+
+
+def _workflow(community_id: UUID, workflow_id: UUID | None, using: str) -> UUID:
+    if workflow_id is not None:
+        if (
+            not Workflow.objects.using(using)
+            .filter(community_id=community_id, id=workflow_id)
+            .exists()
+        ):
+            raise ProtocolError(
+                "workflow_id", f"no workflow {workflow_id} in community {community_id}"
+            )
+        return workflow_id
+    default = workflow_id_for(community_id)
+    # Inserted by whichever first send gets there; a concurrent one waits on the key
+    # and then does nothing.
+    Workflow.objects.using(using).bulk_create(
+        [
+            Workflow(
+                id=default,
+                community_id=community_id,
+                name=WORKFLOW_NAME,
+                owner_pubkey=UNSIGNED_SENDER,
+                definition={},
+            )
+        ],
+        ignore_conflicts=True,
+    )
+    return default
+
+
+def _run(
+    community_id: UUID, run_id: UUID, given: bool, workflow_id: UUID | None, using: str
+) -> WorkflowRun:
+    runs = WorkflowRun.objects.using(using).filter(community_id=community_id, id=run_id)
+    if not given:
+        workflow = _workflow(community_id, workflow_id, using)
+        # A run left by a key whose deliveries were pruned is used again.
+        WorkflowRun.objects.using(using).bulk_create(
+            [WorkflowRun(id=run_id, community_id=community_id, workflow_id=workflow)],
+            ignore_conflicts=True,
+        )
+    run = runs.only("id", "workflow_id", "definition_event_id").first()
+    if run is None:
+        raise ProtocolError("run_id", f"no run {run_id} in community {community_id}")
+    if workflow_id is not None and run.workflow_id != workflow_id:
+        raise ProtocolError(
+            "workflow_id", f"run {run_id} belongs to workflow {run.workflow_id}, not {workflow_id}"
+        )
+    return run
+
+
+def _existing_message(
+    community_id: UUID, event_id: bytes, targets: list[bytes], using: str
+) -> MessageEvent:
+    row = (
+        Event.objects.using(using)
+        .filter(community_id=community_id, id=event_id)
+        .values_list("id", "created_at", "pubkey", "kind", "tags", "content")
+        .first()
+    )
+    if row is None:
+        raise ProtocolError(
+            "message_event_id", f"no event {event_id.hex()} in community {community_id}"
+        )
+    message = _message(row)
+    addressed = set(message_v1_targets(message.kind, message.tags))
+    for target in targets:
+        if target not in addressed:
+            raise ProtocolError(
+                "targets", f"{target.hex()} is not a target of message {event_id.hex()}"
+            )
+    return message
+
+
+def _new_message(
+    community_id: UUID, run_id: UUID, key: str, request: dict[str, Any], now: datetime, using: str
+) -> MessageEvent:
+    created_at = now.replace(microsecond=0)
+    tags = _message_tags(request["targets"], run_id, key, request["tags"])
+    sender, kind, content = request["sender"], request["kind"], request["content"]
+    event_id = nip01_event_id(sender, int(created_at.timestamp()), kind, tags, content)
+    # The same fields give the same id: an identical event already stored is this one.
+    Event.objects.using(using).bulk_create(
+        [
+            Event(
+                id=event_id,
+                community_id=community_id,
+                created_at=created_at,
+                kind=kind,
+                pubkey=sender,
+                content=content,
+                tags=tags,
+            )
+        ],
+        ignore_conflicts=True,
+    )
+    return MessageEvent(event_id, sender, created_at, kind, tags, content)
+
+
+def send_message(
+    community_id: UUID | str,
+    *,
+    targets: Iterable[bytes | str],
+    content: str | None = None,
+    idempotency_key: str,
+    kind: int = MESSAGE_KIND,
+    tags: Tags | None = None,
+    sender: bytes | str | None = None,
+    run_id: UUID | str | None = None,
+    workflow_id: UUID | str | None = None,
+    message_event_id: bytes | None = None,
+    definition_event_id: bytes | None = None,
+    cause: Cause | None = None,
+    using: str = DEFAULT_DB_ALIAS,
+) -> SentMessage:
+    """Send ``content`` to each of ``targets`` (32-byte public keys, or 64 hex) in
+    ``community_id``: one message event and one pending delivery per target, all
+    committed in one transaction, or nothing. Calling again with the same
+    ``idempotency_key`` (a retry after a timeout, or a second process racing the first)
+    returns the deliveries already sent, ``created`` False, and stores nothing; with
+    another message under that key it raises ``IdempotencyConflict``.
+
+    ``run_id`` / ``workflow_id`` name an existing run or workflow to send in (the key
+    is then the step id in that run); ``message_event_id`` sends an existing event
+    instead of ``content``. The deliveries' ``definition_event_id`` is the given one,
+    else the run's, else the workflow's, else the message's own id; their ``cause`` is
+    the given one, else the message event (``EventCause``)."""
+    from .services import delivery_identity  # services re-exports this function
+
+    community_id = as_uuid("community_id", community_id)
+    key = _key(idempotency_key)
+    given_event = _optional_bytes32("message_event_id", message_event_id)
+    if given_event is None:
+        content = _text("content", content)
+    elif content is not None or tags is not None or sender is not None or kind != MESSAGE_KIND:
+        raise ProtocolError(
+            "message_event_id",
+            "an existing event is sent as it is: no content, kind, tags or sender",
+        )
+    request = {
+        "targets": _targets(targets),
+        "content": content,
+        "kind": _kind(kind),
+        "tags": _tags(tags),
+        "sender": UNSIGNED_SENDER if sender is None else _public_key("sender", sender),
+        "message_event_id": given_event,
+    }
+    definition = _optional_bytes32("definition_event_id", definition_event_id)
+    cause = _cause(cause)
+    run = run_id_for(community_id, key) if run_id is None else as_uuid("run_id", run_id)
+    workflow = None if workflow_id is None else as_uuid("workflow_id", workflow_id)
+
+    with delivery_identity(community_id, run, key, using=using) as identity:
+        if identity.exists:
+            return _already_sent(community_id, run, key, request, using)
+        # Every write below commits with the deliveries or rolls back with them.
+        with sql.database_errors():
+            now = _database_now(community_id, using)
+            stored_run = _run(community_id, run, run_id is not None, workflow, using)
+            if given_event is None:
+                message = _new_message(community_id, run, key, request, now, using)
+            else:
+                message = _existing_message(community_id, given_event, request["targets"], using)
+        if definition is None:
+            definition = stored_run.definition_event_id or _workflow_definition(
+                community_id, stored_run.workflow_id, using
+            )
+        binding = {
+            "community_id": community_id,
+            "workflow_id": stored_run.workflow_id,
+            "run_id": run,
+            "step_id": key,
+            "definition_event_id": bytes(definition) if definition else message.id,
+            "message_event_id": message.id,
+            "cause": cause or EventCause(message.id),
+        }
+        identity.commit(
+            message.created_at,
+            [
+                NewDelivery(DeliveryBinding(target_pubkey=target, **binding))
+                for target in request["targets"]
+            ],
+        )
+        records = _records(community_id, run, key, using)
+    return SentMessage(
+        run_id=run,
+        step_id=key,
+        message=message,
+        deliveries=_in_target_order(records, request["targets"]),
+        created=True,
+    )
+
+
+def _workflow_definition(community_id: UUID, workflow_id: UUID, using: str) -> bytes | None:
+    return (
+        Workflow.objects.using(using)
+        .filter(community_id=community_id, id=workflow_id)
+        .values_list("definition_event_id", flat=True)
+        .first()
+    )
