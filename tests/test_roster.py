@@ -7,6 +7,7 @@ from __future__ import annotations
 import threading
 import time
 import uuid
+from collections.abc import Iterator
 from io import StringIO
 
 import pytest
@@ -241,18 +242,34 @@ def test_revoking_releases_the_keys_leases_so_its_late_renew_and_finish_fail_clo
     )
 
 
+def _commit_in_flight(step: factories.Step) -> Iterator[None]:
+    with services.delivery_identity(step.community.id, step.run.id, step.step_id) as s:
+        s.commit(step.created_at, step.new_deliveries())
+        yield
+
+
+def _request_in_flight(step: factories.Step) -> Iterator[None]:
+    # What the API's one transaction per request does first: admit the signed event.
+    with transaction.atomic():
+        admission = services.admit_request_event(
+            step.community.host, factories.key32(), int(time.time()), pubkey=step.targets[0]
+        )
+        assert admission.standing == "enabled"
+        yield
+
+
 @pytest.mark.django_db(transaction=True)
-def test_a_revocation_waits_for_a_commit_in_flight_and_a_later_commit_sees_it():
+@pytest.mark.parametrize("in_flight", [_commit_in_flight, _request_in_flight])
+def test_a_revocation_waits_for_the_keys_work_in_flight_and_later_work_sees_it(in_flight):
     step = factories.Step(targets=1)
     later = factories.Step(owner=step.community, targets=step.targets, step_id="later")
-    committed_open, may_commit = threading.Event(), threading.Event()
+    inside, may_finish = threading.Event(), threading.Event()
 
-    def producer() -> None:
+    def worker() -> None:
         try:
-            with services.delivery_identity(step.community.id, step.run.id, step.step_id) as s:
-                s.commit(step.created_at, step.new_deliveries())
-                committed_open.set()
-                may_commit.wait(10)
+            for _ in in_flight(step):
+                inside.set()
+                may_finish.wait(10)
         finally:
             connections.close_all()
 
@@ -264,22 +281,25 @@ def test_a_revocation_waits_for_a_commit_in_flight_and_a_later_commit_sees_it():
         finally:
             connections.close_all()
 
-    first = threading.Thread(target=producer)
+    first = threading.Thread(target=worker)
     first.start()
-    assert committed_open.wait(10)
+    assert inside.wait(10)
     second = threading.Thread(target=revoker)
     second.start()
     try:
-        assert waits_on_an_advisory_lock(), "the revocation did not wait for the producer"
+        assert waits_on_an_advisory_lock(), "the revocation did not wait for the work in flight"
         assert revoked == []
     finally:
-        may_commit.set()
+        may_finish.set()
         first.join(10)
         second.join(10)
     assert len(revoked) == 1 and revoked[0].entry.enabled is False
-    assert len(stored(step)) == 1
     with pytest.raises(TargetNotEnrolled):
         factories.committed(later)
+    admission = services.admit_request_event(
+        step.community.host, factories.key32(), int(time.time()), pubkey=step.targets[0]
+    )
+    assert (admission.standing, admission.recorded) == ("revoked", False)
 
 
 def waits_on_an_advisory_lock(seconds: float = 10) -> bool:
