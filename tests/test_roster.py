@@ -17,7 +17,6 @@ from django.db import DatabaseError, IntegrityError, connection, connections, tr
 from django.test import Client
 
 from tests import factories
-from tests.agent_http import pubkey, secret, signed
 from workflow_delivery import errors, fence, roster, services, sql
 from workflow_delivery.exceptions import (
     AgentNotEnrolled,
@@ -320,6 +319,14 @@ def waits_on_an_advisory_lock(seconds: float = 10) -> bool:
 # -- the agent API ------------------------------------------------------------------------
 
 
+def http():
+    """The signed-request helpers (imported here: they pull in the bench harness, which
+    needs psycopg 3)."""
+    from tests import agent_http
+
+    return agent_http.pubkey, agent_http.secret, agent_http.signed
+
+
 @pytest.fixture
 def api_client(settings) -> Client:
     settings.ALLOWED_HOSTS = ["*"]
@@ -332,7 +339,9 @@ def refused(response, code: str) -> None:
     assert document["error"] == code and document["detail"]
 
 
+@pytest.mark.psycopg3
 def test_the_api_refuses_a_revoked_key_and_its_leases_are_gone(api_client):
+    pubkey, secret, signed = http()
     key = secret()
     step = factories.Step(targets=[pubkey(key)])
     delivery = factories.committed(step)[0]
@@ -357,7 +366,9 @@ def test_the_api_refuses_a_revoked_key_and_its_leases_are_gone(api_client):
     assert signed(api_client, "POST", "v1/claim", {}, host=host, secret_key=key).status_code == 200
 
 
+@pytest.mark.psycopg3
 def test_the_api_refuses_a_key_that_is_not_in_the_roster(api_client):
+    pubkey, secret, signed = http()
     owner = factories.community()
     stranger = secret()
     factories.enroll(factories.community(), [pubkey(stranger)])
