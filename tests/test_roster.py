@@ -66,6 +66,14 @@ def test_a_commit_to_a_target_that_is_not_enrolled_is_refused_and_writes_nothing
     assert stored(step) == []
 
 
+def test_a_refusal_of_many_targets_names_a_few_and_carries_them_all():
+    step = unenrolled_step(targets=7)
+    with pytest.raises(TargetNotEnrolled) as caught:
+        factories.committed(step)
+    assert sorted(caught.value.targets) == sorted(target.hex() for target in step.targets)
+    assert "and 2 more" in str(caught.value) and len(str(caught.value)) < 600
+
+
 def test_a_commit_to_a_revoked_target_is_refused_with_the_producers_own_writes():
     step = factories.Step(targets=2)
     roster.revoke_agent(step.community.id, step.targets[1])

@@ -82,6 +82,18 @@ BEGIN
 END
 $$;
 
+CREATE FUNCTION {s}.wd_first_keys(p_keys text[]) RETURNS text
+LANGUAGE sql IMMUTABLE
+SET search_path = {s}, pg_catalog, pg_temp
+AS $$
+    SELECT CASE
+        WHEN p_keys IS NULL THEN 'none'
+        WHEN pg_catalog.cardinality(p_keys) <= 5 THEN pg_catalog.array_to_string(p_keys, ', ')
+        ELSE pg_catalog.array_to_string(p_keys[1:5], ', ')
+             || pg_catalog.format(' and %s more', pg_catalog.cardinality(p_keys) - 5)
+    END
+$$;
+
 CREATE FUNCTION {s}.wd_require_enrolled(p_community_id uuid, p_targets bytea[]) RETURNS void
 LANGUAGE plpgsql VOLATILE
 SET search_path = {s}, pg_catalog, pg_temp
@@ -108,10 +120,9 @@ BEGIN
     IF v_unknown IS NULL AND v_revoked IS NULL THEN
         RETURN;
     END IF;
+    -- The message names the first few of each; DETAIL names them all.
     RAISE EXCEPTION 'community %: a delivery''s target must be an enabled agent of its roster (not enrolled: %; revoked: %)',
-        p_community_id,
-        coalesce(pg_catalog.array_to_string(v_unknown, ', '), 'none'),
-        coalesce(pg_catalog.array_to_string(v_revoked, ', '), 'none')
+        p_community_id, {s}.wd_first_keys(v_unknown), {s}.wd_first_keys(v_revoked)
         USING ERRCODE = 'foreign_key_violation',
               CONSTRAINT = 'wd_delivery_target_enrolled',
               TABLE = 'workflow_agent_deliveries',
@@ -184,6 +195,7 @@ DROP FUNCTION {s}.wd_agent_standing(uuid, bytea);
 DROP FUNCTION {s}.wd_require_enrolled_target();
 DROP FUNCTION {s}.wd_require_enrolled_targets();
 DROP FUNCTION {s}.wd_require_enrolled(uuid, bytea[]);
+DROP FUNCTION {s}.wd_first_keys(text[]);
 DROP FUNCTION {s}.wd_lock_roster_shared(uuid);
 DROP FUNCTION {s}.wd_community_roster_key(uuid);
 """
