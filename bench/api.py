@@ -150,16 +150,18 @@ def _phase(mode: str, where: str, community: str, secrets: list[bytes], options)
     }
 
 
-def _waiters(url: str, count: int, stop: threading.Event) -> list[threading.Thread]:
-    """``count`` agents (keys with no deliveries) waiting in ``wait`` in a loop."""
+def _waiters(url: str, secrets: list[bytes], stop: threading.Event) -> list[threading.Thread]:
+    """Agents (enrolled keys with no deliveries) waiting in ``wait`` in a loop."""
     from workflow_delivery.client import AgentClient
 
-    def wait_forever() -> None:
-        with AgentClient(f"{url}/agents/", os.urandom(32), timeout=30) as client:
+    def wait_forever(secret: bytes) -> None:
+        with AgentClient(f"{url}/agents/", secret, timeout=30) as client:
             while not stop.is_set():
                 client.wait(timeout=5)
 
-    threads = [threading.Thread(target=wait_forever, daemon=True) for _ in range(count)]
+    threads = [
+        threading.Thread(target=wait_forever, args=(secret,), daemon=True) for secret in secrets
+    ]
     for thread in threads:
         thread.start()
     return threads
@@ -236,12 +238,15 @@ def _arguments(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     options = _arguments(argv)
     secrets = [os.urandom(32) for _ in range(options.agents)]
+    waiter_secrets = [os.urandom(32) for _ in range(options.waiters)]
     with common.bench_database(options.db_prefix, quiet=True) as db:
         from workflow_delivery.keys import public_key_bytes as public_key
 
         keys = [public_key(secret) for secret in secrets]
         with db.connect() as conn:
             tenant = common.create_tenant(conn, "api")
+            waiter_keys = [public_key(secret) for secret in waiter_secrets]
+            common.enroll(conn, tenant.community_id, keys + waiter_keys)
             rename = "UPDATE communities SET host = %s WHERE id = %s"
             conn.execute(rename, [HOST, tenant.community_id])
         community = str(tenant.community_id)
@@ -265,7 +270,7 @@ def main(argv: list[str] | None = None) -> int:
             if options.waiters and options.server == "uvicorn":
                 _seed(db, tenant, keys, options.rows)
                 stop = threading.Event()
-                crowd = _waiters(url, options.waiters, stop)
+                crowd = _waiters(url, waiter_secrets, stop)
                 time.sleep(2.0)
                 try:
                     waiting = _phase("http+waiters", url, community, secrets, options)

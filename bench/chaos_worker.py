@@ -100,7 +100,7 @@ def with_reconnect(journal: Journal, during: str, call: Callable[[], T]) -> T | 
 
 
 def run_producer(config: dict[str, Any], index: int, journal: Journal) -> None:
-    from workflow_delivery import services
+    from workflow_delivery import roster, services
     from workflow_delivery.models import Community, Event, Workflow, WorkflowRun
     from workflow_delivery.protocol import (
         MESSAGE_KIND,
@@ -125,6 +125,7 @@ def run_producer(config: dict[str, Any], index: int, journal: Journal) -> None:
             id=workflow_id,
             defaults={"community": community, "name": "chaos", "owner_pubkey": os.urandom(32)},
         )
+        roster.enroll_agents(community_id, targets)
 
     with_reconnect(journal, "tenant", ensure_tenant)
     budget = config["deliveries_per_producer"]
@@ -427,7 +428,7 @@ def run_deleter(config: dict[str, Any], index: int, journal: Journal) -> None:
     """
     import psycopg
 
-    from workflow_delivery import fence, services
+    from workflow_delivery import fence, roster, services
     from workflow_delivery.models import (
         Community,
         Event,
@@ -495,6 +496,7 @@ def run_deleter(config: dict[str, Any], index: int, journal: Journal) -> None:
 
     # 1. The huge step, then its retry by another producer path.
     targets = [os.urandom(32) for _ in range(config["huge_step_targets"])]
+    with_reconnect(journal, "tenant", lambda: roster.enroll_agents(doomed["community"], targets))
     t0 = time.monotonic()
     with_reconnect(
         journal,
@@ -536,6 +538,9 @@ def run_deleter(config: dict[str, Any], index: int, journal: Journal) -> None:
         return
     # 3. The healthy probe.
     probe_target = os.urandom(32)
+    with_reconnect(
+        journal, "tenant", lambda: roster.enroll_agents(probe["community"], [probe_target])
+    )
     with_reconnect(
         journal,
         "commit",

@@ -14,7 +14,9 @@ API (stable for ``bench/chaos.py`` and friends):
   state=…)``; ``truncate_deliveries(conn)``; ``vacuum(conn)``; ``producer_tenant(conn,
   label)`` (an emptied, analysed table for a producer phase); ``cycle_tenant(conn,
   label, pending, history=…, neighbour=…, ids=…)`` (the same for a claim+finish phase).
-- ``target_key(i)``: the 32-byte pubkey of target ``i``; ``TARGETS`` = 64.
+- ``target_key(i)``: the 32-byte pubkey of target ``i``; ``TARGETS`` = 64. A tenant's
+  roster enrolls the keys ``0 … ENROLLED_TARGETS - 1`` (big-endian), every target a
+  harness names that way; ``enroll(conn, community, keys)`` enrolls others.
 - ``percentile(values, q)``.
 - ``api_server(database_url, server="uvicorn", workers=1)``: context manager; the
   demo project served by uvicorn (ASGI) or gunicorn (WSGI, gthread workers, persistent
@@ -45,6 +47,8 @@ from tqdm import tqdm
 
 ROOT = Path(__file__).resolve().parent.parent
 TARGETS = 64
+# The keys every tenant enrolls: enough for the largest step a harness commits (1,000).
+ENROLLED_TARGETS = 1024
 SEED_CHUNK = 50_000
 FIRST_SEED_CHUNK = 1_000
 
@@ -161,8 +165,18 @@ class Tenant:
     cause_id: bytes
 
 
+def enroll(conn: psycopg.Connection, community_id: uuid.UUID, keys: list[bytes]) -> None:
+    """Enroll ``keys`` as enabled agents of the community (deliveries may go to them)."""
+    conn.execute(
+        "INSERT INTO community_agents (community_id, pubkey) SELECT %s, k "
+        "FROM unnest(%s::bytea[]) AS k ON CONFLICT ON CONSTRAINT wd_agent_key DO NOTHING",
+        [community_id, list(keys)],
+    )
+
+
 def create_tenant(conn: psycopg.Connection, label: str) -> Tenant:
-    """One community with a workflow, a run and its visible message (kind 9)."""
+    """One community with a workflow, a run and its visible message (kind 9), and the
+    targets ``0 … ENROLLED_TARGETS - 1`` in its agent roster."""
     community, workflow, run = uuid.uuid4(), uuid.uuid4(), uuid.uuid4()
     message = os.urandom(32)
     with conn.transaction():
@@ -170,6 +184,7 @@ def create_tenant(conn: psycopg.Connection, label: str) -> Tenant:
             "INSERT INTO communities (id, host) VALUES (%s, %s)",
             [community, f"{label}-{community.hex[:8]}.bench"],
         )
+        enroll(conn, community, [n.to_bytes(32, "big") for n in range(ENROLLED_TARGETS)])
         conn.execute(
             "INSERT INTO workflows (id, community_id, name, owner_pubkey, definition) "
             "VALUES (%s, %s, 'bench', %s, '{}')",

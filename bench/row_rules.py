@@ -1,8 +1,9 @@
 """What each rule costs a producer's row: 100-target steps inserted through the
 service's statement, then again with one group of rules taken away at a time (on a
 private, throw-away database): the timeline's "committed" row, the fence trigger, the
-one-message-per-step trigger, the composite foreign keys, the secondary indexes. Each
-line reports µs per row and the share of the full cost.
+roster check (each target an enabled agent), the one-message-per-step trigger, the
+composite foreign keys, the secondary indexes. Each line reports µs per row and the
+share of the full cost.
 
     .venv/bin/python bench/row_rules.py --steps 200 --targets 100
 """
@@ -87,6 +88,8 @@ def main(argv: list[str] | None = None) -> int:
             for trigger in ("wd_community_write_fence", "wd_community_write_fence_insert"):
                 conn.execute(f"ALTER TABLE {TABLE} DISABLE TRIGGER {trigger}")
             results.append(("… and without the fence trigger", run("nofence", conn)))
+            conn.execute(f"ALTER TABLE {TABLE} DISABLE TRIGGER wd_delivery_target_enrolled_insert")
+            results.append(("… and without the roster check", run("noroster", conn)))
             conn.execute(f"ALTER TABLE {TABLE} DISABLE TRIGGER wd_delivery_one_message_per_step")
             results.append(("… and without one message per step", run("nostep", conn)))
             for name, _ in keys:

@@ -6,7 +6,7 @@ import os
 import uuid
 from datetime import UTC, datetime
 
-from workflow_delivery import fence
+from workflow_delivery import fence, roster
 from workflow_delivery.models import Community, DeletionState, Event, Workflow, WorkflowRun
 from workflow_delivery.protocol import (
     MESSAGE_KIND,
@@ -53,6 +53,11 @@ def run(flow: Workflow) -> WorkflowRun:
     return WorkflowRun.objects.create(community_id=flow.community_id, workflow=flow)
 
 
+def enroll(owner: Community, targets: list[bytes]) -> None:
+    """Make ``targets`` enabled agents of ``owner`` (deliveries may be committed to them)."""
+    roster.enroll_agents(owner.id, targets)
+
+
 def message(owner: Community, targets: list[bytes], created_at: datetime | None = None) -> Event:
     tags = [["p", target.hex(), "", MESSAGE_V1_MARKER] for target in targets]
     return Event.objects.create(
@@ -81,6 +86,7 @@ class Step:
         self.targets = (
             list(targets) if isinstance(targets, list) else [key32() for _ in range(targets)]
         )
+        enroll(self.community, self.targets)
         self.message = message(self.community, self.targets)
         self.step_id = step_id
         self.definition_event_id = key32()

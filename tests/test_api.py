@@ -46,6 +46,13 @@ def client() -> Client:
     return Client()
 
 
+def enrolled_secret(owner) -> bytes:
+    """A new agent key enrolled in ``owner``'s roster, with no delivery."""
+    key = secret()
+    factories.enroll(owner, [pubkey(key)])
+    return key
+
+
 class Agent:
     """An agent key with one pending delivery in a fresh community."""
 
@@ -352,7 +359,7 @@ def test_another_agents_delivery_is_invisible_and_its_lease_useless(client, agen
     claimed = answer(agent.call(client, "POST", "v1/claim", {"lease_seconds": 30}), 200)
     generation = claimed["lease"]["generation"]
     before = rows()
-    intruder = secret()
+    intruder = enrolled_secret(agent.step.community)
     path = f"v1/deliveries/{agent.delivery.id}"
     as_intruder = {"secret_key": intruder}
     missing = answer(agent.call(client, "GET", f"v1/deliveries/{uuid.uuid4()}"), 404, "not_found")
@@ -369,6 +376,8 @@ def test_another_agents_delivery_is_invisible_and_its_lease_useless(client, agen
 
 def test_another_community_through_the_host_header(client, agent):
     elsewhere = factories.community()
+    # An agent of both: only the Host decides which community it is served in.
+    factories.enroll(elsewhere, [agent.pubkey])
     before = rows()
     path = f"v1/deliveries/{agent.delivery.id}"
     answer(agent.call(client, "GET", path, host=elsewhere.host), 404, "not_found")
@@ -590,8 +599,11 @@ def test_replay_guard_holds_an_event_once_across_communities():
     assert services.record_request_event(one.id, event, now) == (True, True)
     assert services.record_request_event(one.id, event, now) == (True, False)
     assert services.record_request_event(two.id, event, now) == (True, False)
-    admitted = services.admit_request_event(two.host.upper(), event, now)
+    agent = factories.key32()
+    factories.enroll(two, [agent])
+    admitted = services.admit_request_event(two.host.upper(), event, now, pubkey=agent)
     assert (admitted.community_id, admitted.fresh, admitted.recorded) == (two.id, True, False)
+    assert admitted.standing == "enabled"
     assert services.record_request_event(one.id, factories.key32(), now - 120) == (False, False)
     assert AgentRequestReplay.objects.filter(event_id=event).count() == 1
 
@@ -797,7 +809,8 @@ def test_the_claim_and_the_read_carry_the_message_to_its_target(client, agent):
 def test_another_agent_cannot_read_the_message(client, agent):
     other = Agent(owner=agent.step.community)
     path = f"v1/deliveries/{agent.delivery.id}"
-    for intruder in ({"secret_key": other.secret}, {"secret_key": secret()}):
+    stranger = enrolled_secret(agent.step.community)
+    for intruder in ({"secret_key": other.secret}, {"secret_key": stranger}):
         response = agent.call(client, "GET", path, **intruder)
         answer(response, 404, "not_found")
         assert agent.step.message.content.encode() not in response.content
@@ -870,7 +883,7 @@ def test_finish_batch_answers_each_settlement_in_order(client, agent):
             "status": "finished",
         },
     ]
-    intruder = {"secret_key": secret()}
+    intruder = {"secret_key": enrolled_secret(agent.step.community)}
     stolen = [{"delivery_id": second["delivery_id"], "generation": 1, "outcome": "failed"}]
     before = rows()
     results = answer(

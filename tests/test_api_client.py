@@ -60,6 +60,8 @@ def test_the_client_returns_the_message_and_settles_in_batches(live_server, sett
             AlreadyTerminal(status=results[2].status),
         ]
         assert results[2].status.value == "finished"
-    with _client(live_server, owner.host, secret()) as intruder:
+    stranger = secret()
+    factories.enroll(owner, [pubkey(stranger)])
+    with _client(live_server, owner.host, stranger) as intruder:
         assert intruder.message(record.id) is None
         assert intruder.finish_many([(batch[1].lease, "finished")]) == [LeaseLost()]

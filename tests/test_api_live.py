@@ -121,6 +121,7 @@ def test_whole_lifecycle_over_http_with_a_wake(server):
 def test_with_every_setting_at_its_default_a_wait_is_woken_in_under_a_second(server):
     owner = factories.community("localhost")
     key = secret()
+    factories.enroll(owner, [pubkey(key)])
     waiting = Waiting(base_url(server, "localhost"), key, timeout=50)
     waiting.start()
     # The wait registers its caller as idle once its process listens, then looks once
@@ -147,6 +148,7 @@ def test_a_notification_reaches_its_waiter_and_no_other(server):
     owner = factories.community("localhost")
     url = base_url(server, "localhost")
     mine, other = secret(), secret()
+    factories.enroll(owner, [pubkey(mine), pubkey(other)])
     waiting, bystander = Waiting(url, mine, timeout=20), Waiting(url, other, timeout=3)
     waiting.start()
     bystander.start()
@@ -167,6 +169,7 @@ def test_claims_are_served_while_100_agents_wait(server):
     owner = factories.community("localhost")
     url = base_url(server, "localhost")
     keys = [secret() for _ in range(100)]
+    factories.enroll(owner, [pubkey(key) for key in keys])
     waiters = [Waiting(url, key, timeout=40) for key in keys]
     for waiter in waiters:
         waiter.start()
@@ -204,15 +207,21 @@ def test_claims_are_served_while_100_agents_wait(server):
 
 
 def test_refusals_reach_the_client_as_named_errors(server):
-    factories.community("localhost")
-    with AgentClient(base_url(server, "127.0.0.1"), secret()) as agent:
+    owner = factories.community("localhost")
+    key = secret()
+    factories.enroll(owner, [pubkey(key)])
+    with AgentClient(base_url(server, "127.0.0.1"), key) as agent:
         with pytest.raises(AgentApiError) as caught:
             agent.claim()
         assert (caught.value.status, caught.value.code) == (404, "unknown_community")
-    with AgentClient(base_url(server, "localhost"), secret()) as agent:
+    with AgentClient(base_url(server, "localhost"), key) as agent:
         with pytest.raises(AgentApiError) as caught:
             agent.claim(lease_seconds=10**9)
         assert (caught.value.status, caught.value.code) == (400, "invalid_request")
+    with AgentClient(base_url(server, "localhost"), secret()) as stranger:
+        with pytest.raises(AgentApiError) as caught:
+            stranger.claim()
+        assert (caught.value.status, caught.value.code) == (401, "auth_unknown_agent")
 
 
 def test_one_signed_request_sent_at_once_to_two_server_processes_is_served_once():

@@ -24,10 +24,10 @@ from django.db import DatabaseError, connection, transaction
 
 from buzz_project.demo import app_role as app_roles
 from tests import factories
-from workflow_delivery import errors, fence, services
-from workflow_delivery.exceptions import ExecutorNotAuthorized
-from workflow_delivery.models import Community, WorkflowAgentDelivery
-from workflow_delivery.protocol import Outcome, Settled
+from workflow_delivery import errors, fence, roster, services
+from workflow_delivery.exceptions import ExecutorNotAuthorized, TargetNotEnrolled
+from workflow_delivery.models import Community, CommunityAgent, WorkflowAgentDelivery
+from workflow_delivery.protocol import LeaseLost, NewDelivery, Outcome, Settled
 from workflow_delivery.runner import logger as reaper_logger
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -159,6 +159,53 @@ def test_the_role_cannot_step_around_the_triggers(app_role, bypass):
         run(bypass)
     assert errors.sqlstate(caught.value) == "42501"  # insufficient_privilege
     assert WorkflowAgentDelivery.objects.filter(run=step.run).count() == 1
+
+
+# --- the agent roster: the app role runs it and cannot step around it -------------------
+
+
+def test_the_app_role_enrolls_revokes_and_reinstates_and_is_held_to_the_roster(app_role):
+    step = factories.Step(targets=1)
+    lease_holder = factories.committed(step)[0]
+    lease, _ = services.claim_delivery(step.community.id, step.targets[0])
+    stranger = factories.key32()
+    with pytest.raises(TargetNotEnrolled):
+        services.commit_deliveries(
+            step.community.id,
+            step.created_at,
+            [NewDelivery(uuid.uuid4(), step.binding(stranger, step_id="other"))],
+        )
+    revocation = roster.revoke_agent(step.community.id, step.targets[0], operator="ops")
+    assert revocation.released == (lease_holder.id,)
+    assert services.finish_delivery(lease, Outcome.FINISHED) == LeaseLost()
+    assert roster.reinstate_agent(step.community.id, step.targets[0]).enabled
+    assert roster.enroll_agent(step.community.id, stranger).enabled
+
+
+@pytest.mark.parametrize(
+    "bypass",
+    [
+        "ALTER TABLE workflow_agent_deliveries DISABLE TRIGGER wd_delivery_target_enrolled_insert",
+        "DROP TRIGGER wd_delivery_target_enrolled_update ON workflow_agent_deliveries",
+        "ALTER TABLE community_agents DISABLE TRIGGER wd_community_write_fence",
+        "CREATE OR REPLACE FUNCTION wd_agent_standing(uuid, bytea) RETURNS text "
+        "LANGUAGE sql AS $$ SELECT 'enabled' $$",
+        "ALTER FUNCTION wd_require_enrolled(uuid, bytea[]) RESET search_path",
+        "TRUNCATE community_agents CASCADE",
+    ],
+)
+def test_the_role_cannot_step_around_the_roster(app_role, bypass):
+    step = factories.Step(targets=1)
+    with pytest.raises(DatabaseError) as caught, transaction.atomic():
+        run(bypass)
+    assert errors.sqlstate(caught.value) == "42501"  # insufficient_privilege
+    assert CommunityAgent.objects.filter(community=step.community, enabled=True).count() == 1
+    with pytest.raises(TargetNotEnrolled):
+        services.commit_deliveries(
+            step.community.id,
+            step.created_at,
+            [NewDelivery(uuid.uuid4(), step.binding(factories.key32()))],
+        )
 
 
 # --- the fence holds against the app role ------------------------------------------------

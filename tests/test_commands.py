@@ -408,11 +408,16 @@ def test_demo_deliveries_is_idempotent():
 def test_demo_data_of_older_agent_keys_is_left_alone(raw):
     run("demo_deliveries")
     alpha = demo.demo_uuid("alpha.demo.buzz")
-    # As an older demo stored it: a target that is no agent's public key.
+    # As an older demo stored it: a target that is no agent's public key (an agent of
+    # the roster, as the migration enrolls the targets it finds).
+    stale = demo.demo_key("alpha.demo.buzz", "agent", "scout")
+    raw.execute(
+        "INSERT INTO community_agents (community_id, pubkey) VALUES (%s, %s)", [alpha, stale]
+    )
     raw.execute(
         "UPDATE workflow_agent_deliveries SET target_pubkey = %s WHERE id = "
         "(SELECT id FROM workflow_agent_deliveries WHERE community_id = %s LIMIT 1)",
-        [demo.demo_key("alpha.demo.buzz", "agent", "scout"), alpha],
+        [stale, alpha],
     )
     snapshot = demo_snapshot()
     out = run("demo_deliveries")

@@ -108,6 +108,7 @@ def tenants(db) -> tuple[factories.Step, factories.Step, Lease, Lease]:
     mine = factories.Step(targets=2)
     theirs = factories.Step(targets=2)
     theirs.targets = mine.targets
+    factories.enroll(theirs.community, mine.targets)
     leases = []
     for step in (mine, theirs):
         services.commit_deliveries(step.community.id, step.created_at, step.new_deliveries())

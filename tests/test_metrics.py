@@ -185,6 +185,11 @@ def test_the_figures_and_pruning_never_scan_the_table():
         cursor.execute("SET workflow_delivery.timeline = off")  # seeding only
         try:
             cursor.execute(
+                "INSERT INTO community_agents (community_id, pubkey) "
+                "SELECT %s, sha256(int4send(n)) FROM generate_series(0, 63) AS n",
+                [step.community.id],
+            )
+            cursor.execute(
                 """
                 INSERT INTO workflow_agent_deliveries (
                     id, community_id, workflow_id, run_id, step_id, target_pubkey,

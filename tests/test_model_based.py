@@ -149,6 +149,7 @@ class DeliveryMachine(RuleBasedStateMachine):
         # Both tenants address the same two agents, so cross-tenant probes name real targets.
         for tenant in self.tenants[1:]:
             tenant.step.targets = self.tenants[0].step.targets
+            factories.enroll(tenant.step.community, tenant.step.targets)
         self.rows: dict[uuid.UUID, Row] = {}
         self.issued = 0
 

@@ -60,6 +60,7 @@ def store_the_rows_it_names(binding: DeliveryBinding, message_created_at: dateti
         id=binding.workflow_id, community=owner, name="prop", owner_pubkey=factories.key32()
     )
     WorkflowRun.objects.create(id=binding.run_id, community=owner, workflow=flow)
+    factories.enroll(owner, [binding.target_pubkey])
     Event.objects.create(
         id=binding.message_event_id,
         community=owner,

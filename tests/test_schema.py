@@ -431,6 +431,11 @@ def test_claim_uses_the_partial_index(step, raw):
     # A realistic table: many targets, most rows settled, so the planner's choice
     # is the index's merit and not an artefact of an empty table.
     raw.execute(
+        "INSERT INTO community_agents (community_id, pubkey) "
+        "SELECT %s, sha256(int4send(n)) FROM generate_series(0, 63) AS n",
+        [step.community.id],
+    )
+    raw.execute(
         """
         INSERT INTO workflow_agent_deliveries (
             id, community_id, workflow_id, run_id, step_id, target_pubkey,

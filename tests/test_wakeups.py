@@ -175,6 +175,7 @@ def test_skipped_duplicates_wake_nobody(listener):
     assert registered(step) == set(step.targets)
     # One new target next to an existing one: only the created row is announced.
     newcomer = factories.key32()
+    factories.enroll(step.community, [newcomer])
     idle(step, newcomer)
     mixed = [
         NewDelivery(uuid.uuid4(), step.binding(step.targets[0])),

@@ -37,13 +37,19 @@ from django.utils.dateformat import format as date_format
 from django.utils.html import format_html, format_html_join
 from django.utils.safestring import SafeString
 
-from . import admin_target, fence, metrics, overview, services
-from .exceptions import CommunityNotFound, InvalidLifecycleTransition
+from . import admin_target, fence, metrics, overview, roster, services
+from .exceptions import (
+    AgentNotEnrolled,
+    CommunityNotFound,
+    CommunityWriteFenced,
+    InvalidLifecycleTransition,
+)
 from .history import delivery_history, unrecorded_attempts
 from .models import (
     STATUSES,
     TERMINAL_STATUSES,
     Community,
+    CommunityAgent,
     DeletionState,
     Event,
     Workflow,
@@ -862,3 +868,79 @@ class DeliveryAdmin(ReadOnlyAdmin):
 
     has_release_delivery_permission = operator_permission("release_delivery")
     has_fail_delivery_permission = operator_permission("fail_delivery")
+
+
+@admin.register(CommunityAgent)
+class CommunityAgentAdmin(ReadOnlyAdmin):
+    """A community's agent roster. Keys are enrolled by ``roster.enroll_agents`` (or
+    ``manage.py enroll_agent``); here an operator revokes and reinstates them, each
+    action behind its own permission. Revoking releases the key's leases."""
+
+    list_display = [
+        hex_field("pubkey", short=True),
+        "label",
+        community_link,
+        "enabled",
+        time_field("added_at", short=True),
+        time_field("revoked_at", short=True),
+    ]
+    list_filter = ["enabled", "community"]
+    list_select_related = ["community"]
+    search_fields = ["label"]
+    hex_search_fields = ("pubkey",)
+    search_help_text = (
+        "An agent key (64 hex, or its first 12 hex as the list shows it), or a label."
+    )
+    fields = [
+        hex_field("pubkey"),
+        "label",
+        community_link,
+        "enabled",
+        time_field("added_at"),
+        time_field("revoked_at"),
+    ]
+    actions = ["revoke_agents", "reinstate_agents"]
+
+    @admin.action(permissions=["revoke_agent"], description="Revoke (and release its leases)")
+    def revoke_agents(self, request: HttpRequest, queryset: QuerySet) -> None:
+        operator = request.user.get_username()
+        done, released = [], 0
+        considered = list(queryset.filter(enabled=True))
+        for agent in considered:
+            try:
+                revocation = roster.revoke_agent(
+                    agent.community_id, bytes(agent.pubkey), operator=operator
+                )
+            except (AgentNotEnrolled, CommunityWriteFenced):
+                continue  # removed by a purge, or its community is being deleted
+            done.append(agent)
+            released += len(revocation.released)
+        if done:
+            _log_operator_change(
+                request,
+                CommunityAgent,
+                done,
+                f"Revoked by an operator; {released} leases released",
+            )
+        skipped = {"already revoked": queryset.count() - len(considered)}
+        skipped["community not active"] = len(considered) - len(done)
+        self._report(request, "Revoke", len(done), queryset.count(), skipped)
+
+    @admin.action(permissions=["reinstate_agent"], description="Reinstate")
+    def reinstate_agents(self, request: HttpRequest, queryset: QuerySet) -> None:
+        done = []
+        considered = list(queryset.filter(enabled=False))
+        for agent in considered:
+            try:
+                roster.reinstate_agent(agent.community_id, bytes(agent.pubkey))
+            except (AgentNotEnrolled, CommunityWriteFenced):
+                continue
+            done.append(agent)
+        if done:
+            _log_operator_change(request, CommunityAgent, done, "Reinstated by an operator")
+        skipped = {"enabled": queryset.count() - len(considered)}
+        skipped["community not active"] = len(considered) - len(done)
+        self._report(request, "Reinstate", len(done), queryset.count(), skipped)
+
+    has_revoke_agent_permission = operator_permission("revoke_agent")
+    has_reinstate_agent_permission = operator_permission("reinstate_agent")

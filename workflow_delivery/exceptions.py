@@ -43,6 +43,32 @@ class ReferenceMissing(WorkflowDeliveryError, ValueError):
         super().__init__(message)
 
 
+class TargetNotEnrolled(WorkflowDeliveryError, ValueError):
+    """A delivery committed to a target that is not an enabled agent of its community's
+    roster: ``unknown`` were never enrolled, ``revoked`` were revoked (hex pubkeys).
+    Nothing of the statement was written."""
+
+    def __init__(
+        self,
+        message: str,
+        community_id: UUID | None = None,
+        unknown: tuple[str, ...] = (),
+        revoked: tuple[str, ...] = (),
+    ) -> None:
+        self.community_id = community_id
+        self.unknown = unknown
+        self.revoked = revoked
+        super().__init__(message)
+
+    @property
+    def targets(self) -> tuple[str, ...]:
+        return self.unknown + self.revoked
+
+
+class AgentNotEnrolled(WorkflowDeliveryError, LookupError):
+    """The key named is not in the community's agent roster."""
+
+
 class ConstraintViolation(WorkflowDeliveryError, ValueError):
     """A row broke a named database rule; ``constraint`` is its name."""
 

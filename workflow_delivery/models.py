@@ -25,6 +25,8 @@ from .protocol import (
 )
 
 NIL_UUID = uuid.UUID(int=0)
+# The longest label an agent of a roster may carry, in characters.
+AGENT_LABEL_MAX_LENGTH = 200
 
 
 class StatementTimestamp(models.Func):
@@ -549,3 +551,39 @@ class IdleWakeTarget(models.Model):
 
     def __str__(self) -> str:
         return bytes(self.target_pubkey).hex()
+
+
+class CommunityAgent(models.Model):
+    """An agent key of a community's roster. A delivery may be committed only to an
+    enabled agent of its community, and the agent API serves only enabled agents
+    (migration 0016); ``roster`` enrolls, revokes and reinstates them."""
+
+    id = models.BigAutoField(primary_key=True)
+    community = _tenant_fk(Community, related_name="agents")
+    pubkey = models.BinaryField()
+    label = models.TextField(blank=True, default="", db_default="")
+    enabled = models.BooleanField(default=True, db_default=True)
+    added_at = models.DateTimeField(db_default=TransactionNow(), editable=False)
+    revoked_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        db_table = "community_agents"
+        verbose_name = "community agent"
+        ordering = ["community_id", "added_at", "id"]
+        permissions = [
+            ("revoke_agent", "Can revoke an agent of a community roster"),
+            ("reinstate_agent", "Can reinstate a revoked agent of a community roster"),
+        ]
+        constraints = [
+            models.UniqueConstraint(fields=["community", "pubkey"], name="wd_agent_key"),
+            _bytes32("pubkey", "wd_agent_pubkey_32_bytes"),
+            models.CheckConstraint(
+                condition=Q(enabled=True, revoked_at__isnull=True)
+                | Q(enabled=False, revoked_at__isnull=False),
+                name="wd_agent_revoked_at_iff_disabled",
+            ),
+            _at_most("label", AGENT_LABEL_MAX_LENGTH, "wd_agent_label_length"),
+        ]
+
+    def __str__(self) -> str:
+        return self.label or bytes(self.pubkey).hex()

@@ -26,6 +26,7 @@ __all__ = [
     "MESSAGE_V1_MARKER",
     "STEP_ID_MAX_LENGTH",
     "WAKE_HINT_KIND",
+    "AgentStanding",
     "AlreadyTerminal",
     "Cause",
     "CauseKind",
@@ -50,6 +51,8 @@ __all__ = [
     "RequestAdmission",
     "Retried",
     "RetryResult",
+    "Revocation",
+    "RosterEntry",
     "ScheduleCause",
     "SentMessage",
     "Settled",
@@ -400,15 +403,46 @@ class Claimed:
         return (self.lease, self.record)[index]
 
 
+class AgentStanding(StrEnum):
+    """Where a key stands in a community's agent roster (absent: not enrolled)."""
+
+    ENABLED = "enabled"
+    REVOKED = "revoked"
+
+
+@dataclass(frozen=True, slots=True)
+class RosterEntry:
+    """One agent of a community's roster."""
+
+    community_id: UUID
+    pubkey: bytes
+    label: str
+    enabled: bool
+    added_at: datetime
+    revoked_at: datetime | None
+
+
+@dataclass(frozen=True, slots=True)
+class Revocation:
+    """A revoked agent and the deliveries whose leases the revocation released (back
+    to pending, generation bumped)."""
+
+    entry: RosterEntry
+    released: tuple[UUID, ...]
+
+
 @dataclass(frozen=True, slots=True)
 class RequestAdmission:
     """A signed request checked against the database: the community its host names
-    (None when none), whether its ``created_at`` is fresh, and whether its event id
-    was recorded now (False when it was already used, in any community)."""
+    (None when none), whether its ``created_at`` is fresh, whether its event id was
+    recorded now (False when it was already used, in any community, and for a key
+    that is not an enabled agent), and where the signing key stands in the
+    community's roster (None: not enrolled, or no community)."""
 
     community_id: UUID | None
     fresh: bool
     recorded: bool
+    standing: AgentStanding | None = None
 
 
 @dataclass(frozen=True, slots=True)

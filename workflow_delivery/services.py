@@ -39,6 +39,7 @@ from .exceptions import (
 )
 from .models import Event, WorkflowAgentDelivery
 from .protocol import (
+    AgentStanding,
     AlreadyTerminal,
     DeliveryBinding,
     DeliveryRecord,
@@ -987,21 +988,35 @@ def _request_event(event_id: bytes, created_at: int) -> tuple[bytes, int]:
 
 
 def admit_request_event(
-    host: str, event_id: bytes, created_at: int, *, using: str = DEFAULT_DB_ALIAS
+    host: str,
+    event_id: bytes,
+    created_at: int,
+    *,
+    pubkey: bytes,
+    using: str = DEFAULT_DB_ALIAS,
 ) -> RequestAdmission:
-    """The agent API's look-up of the community served at ``host`` (any case), with
-    the freshness check and the replay guard of ``record_request_event``, in one
-    statement. In the caller's transaction the replay row commits or rolls back with
-    the caller's work; an unknown host records nothing."""
+    """The agent API's look-up of the community served at ``host`` (any case) and of
+    where ``pubkey`` stands in its agent roster, with the freshness check and the
+    replay guard of ``record_request_event``, in one statement. Only an enabled
+    agent's event is recorded. In the caller's transaction the replay row commits or
+    rolls back with the caller's work, and the roster's shared lock is held until
+    then (a revocation of the key waits for the request); an unknown host records
+    nothing."""
     if not isinstance(host, str) or not host:
         raise ProtocolError("host", f"must be a host name, not {host!r}")
     event_id, created_at = _request_event(event_id, created_at)
+    pubkey = as_bytes32("pubkey", pubkey)
     skew = app_settings.API_MAX_CLOCK_SKEW_SECONDS
-    params = [created_at, skew, host, event_id, created_at]
-    ((community_id, fresh, recorded),) = db.fetch(
+    params = [created_at, skew, host, pubkey, event_id, created_at]
+    ((community_id, fresh, recorded, standing),) = db.fetch(
         using, sql.ADMIT_REQUEST_EVENT, params, savepoint=False
     )
-    return RequestAdmission(community_id=community_id, fresh=bool(fresh), recorded=bool(recorded))
+    return RequestAdmission(
+        community_id=community_id,
+        fresh=bool(fresh),
+        recorded=bool(recorded),
+        standing=None if standing is None else AgentStanding(standing),
+    )
 
 
 def message_events(

@@ -21,6 +21,7 @@ from . import errors
 from .conf import is_whole_number
 from .counters import FENCE_REFUSALS
 from .exceptions import (
+    CommunityNotFound,
     CommunityWriteFenced,
     ConstraintViolation,
     DeliveryConflict,
@@ -29,10 +30,12 @@ from .exceptions import (
     IsolationLevelError,
     ReferenceMissing,
     StepMessageConflict,
+    TargetNotEnrolled,
 )
 from .models import (
     AgentRequestReplay,
     Community,
+    CommunityAgent,
     DeliveryTransition,
     Event,
     IdleWakeTarget,
@@ -48,6 +51,7 @@ DELIVERIES = _q(WorkflowAgentDelivery._meta.db_table)
 COMMUNITIES = _q(Community._meta.db_table)
 REPLAYS = _q(AgentRequestReplay._meta.db_table)
 IDLE = _q(IdleWakeTarget._meta.db_table)
+AGENTS = _q(CommunityAgent._meta.db_table)
 
 # Columns of a delivery record, in the order ``db.record`` reads them.
 RECORD_COLUMNS = [
@@ -785,22 +789,29 @@ SELECT clock.fresh, EXISTS (SELECT 1 FROM recorded) FROM clock
 """
 
 # The same for a request named by its Host: the community whose host it is (any
-# case, by wd_community_host_ci_key), the freshness and the replay guard, in one
-# round trip. Answers (community id or NULL, fresh, recorded); an unknown host
-# records nothing.
+# case, by wd_community_host_ci_key), where the signing key stands in its roster,
+# the freshness and the replay guard, in one round trip. The standing is read under
+# the roster's shared lock (wd_agent_standing, migration 0016), held to the end of
+# the request's transaction, so a revocation waits for the key's requests in flight.
+# Only an enabled agent's fresh event is recorded. Answers (community id or NULL,
+# fresh, recorded, standing or NULL); an unknown host records nothing.
 ADMIT_REQUEST_EVENT = f"""
 WITH clock AS (
     SELECT abs(extract(epoch FROM now()) - %s::bigint) <= %s::bigint AS fresh
 ), community AS (
     SELECT id FROM {COMMUNITIES} WHERE lower(host) = lower(%s::text)
+), agent AS MATERIALIZED (
+    SELECT wd_agent_standing(community.id, %s::bytea) AS standing FROM community
 ), recorded AS (
     INSERT INTO {REPLAYS} (community_id, event_id, event_created_at)
     SELECT community.id, %s::bytea, to_timestamp(%s::bigint)
-      FROM community, clock WHERE clock.fresh
+      FROM community, clock, agent WHERE clock.fresh AND agent.standing = 'enabled'
     ON CONFLICT ON CONSTRAINT wd_replay_event_once DO NOTHING
     RETURNING 1
 )
-SELECT (SELECT id FROM community), clock.fresh, EXISTS (SELECT 1 FROM recorded) FROM clock
+SELECT (SELECT id FROM community), clock.fresh, EXISTS (SELECT 1 FROM recorded),
+       (SELECT standing FROM agent)
+  FROM clock
 """
 
 # One bounded batch of replay-guard pruning across communities: only rows whose
@@ -820,6 +831,54 @@ WITH open AS (
      FOR UPDATE OF r SKIP LOCKED
 )
 DELETE FROM {REPLAYS} AS r USING doomed WHERE r.id = doomed.id
+"""
+
+# The agent roster (``roster``). Columns of an entry, in the order ``RosterEntry`` takes them.
+_ROSTER_ENTRY = "a.community_id, a.pubkey, a.label, a.enabled, a.added_at, a.revoked_at"
+
+# Enrolls keys as enabled agents; a key already in the roster keeps its standing
+# (a revoked one stays revoked) and takes the label given, if one is. Every row is
+# returned.
+ENROLL_AGENTS = f"""
+INSERT INTO {AGENTS} AS a (community_id, pubkey, label)
+SELECT %s::uuid, k.pubkey, coalesce(%s::text, '') FROM unnest(%s::bytea[]) AS k (pubkey)
+ON CONFLICT ON CONSTRAINT wd_agent_key
+DO UPDATE SET label = coalesce(%s::text, a.label)
+RETURNING {_ROSTER_ENTRY}
+"""
+
+# A revocation's order of locks, as every writer takes them (migration 0016): the
+# community's deletion lock shared (the fence's own check, refusing a tenant that is
+# not active), then its roster lock exclusive, which waits for every commit and
+# every API request of the community that read the roster before us.
+LOCK_ROSTER_EXCLUSIVE = f"""
+SELECT wd_require_community_write(%s::uuid, 'UPDATE', '{CommunityAgent._meta.db_table}',
+                                  current_schema()),
+       pg_advisory_xact_lock(wd_community_roster_key(%s::uuid))
+"""
+
+# Revoked once: a second revocation keeps the first's time.
+REVOKE_AGENT = f"""
+UPDATE {AGENTS} AS a
+   SET enabled = false, revoked_at = coalesce(a.revoked_at, statement_timestamp())
+ WHERE a.community_id = %s AND a.pubkey = %s
+RETURNING {_ROSTER_ENTRY}
+"""
+
+# Every lease the revoked key holds in the community, live or expired: back to
+# pending with the fence bumped, so its late renew or finish is lease lost.
+RELEASE_AGENT_LEASES = f"""
+UPDATE {DELIVERIES} AS d
+   SET {_BACK_TO_PENDING}
+ WHERE d.community_id = %s AND d.target_pubkey = %s AND d.status = 'claimed'
+RETURNING d.id
+"""
+
+REINSTATE_AGENT = f"""
+UPDATE {AGENTS} AS a
+   SET enabled = true, revoked_at = NULL
+ WHERE a.community_id = %s AND a.pubkey = %s
+RETURNING {_ROSTER_ENTRY}
 """
 
 # The fence's own rule, from migration 0003: READ COMMITTED or a clear error.
@@ -850,6 +909,7 @@ CURRENT_ROLE = "SELECT current_user"
 
 # Children first, so no foreign key refuses the purge.
 PURGE_ORDER = [
+    CommunityAgent._meta.db_table,
     IdleWakeTarget._meta.db_table,
     DeliveryTransition._meta.db_table,
     AgentRequestReplay._meta.db_table,
@@ -875,6 +935,20 @@ _DELIVERY_PRIMARY_KEY = f"{WorkflowAgentDelivery._meta.db_table}_pkey"
 
 
 _FENCED_COMMUNITY = re.compile(r"community_id=(\S+)")
+_NOT_ENROLLED = re.compile(r"community_id=(\S+) unknown=(\S*) revoked=(\S*)")
+
+
+def _not_enrolled(message: str, detail: str | None) -> TargetNotEnrolled:
+    found = _NOT_ENROLLED.fullmatch(detail or "")
+    if found is None:
+        return TargetNotEnrolled(message)
+    community, unknown, revoked = found.groups()
+    return TargetNotEnrolled(
+        message,
+        UUID(community),
+        tuple(unknown.split(",")) if unknown else (),
+        tuple(revoked.split(",")) if revoked else (),
+    )
 
 
 @contextmanager
@@ -895,6 +969,10 @@ def database_errors() -> Iterator[None]:
             FENCE_REFUSALS.inc()
             found = _FENCED_COMMUNITY.search(getattr(diag, "message_detail", None) or "")
             raise CommunityWriteFenced(message, UUID(found.group(1)) if found else None) from exc
+        if constraint == "wd_delivery_target_enrolled":
+            raise _not_enrolled(message, getattr(diag, "message_detail", None)) from exc
+        if constraint == "wd_agent_community_fk":
+            raise CommunityNotFound(f"the roster's community does not exist: {message}") from exc
         if constraint == "wd_delivery_one_message_per_step":
             raise StepMessageConflict("message_event_id", message) from exc
         if constraint in _LIFECYCLE_CONSTRAINTS:

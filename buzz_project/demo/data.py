@@ -27,7 +27,7 @@ from django.contrib.auth import get_user_model
 from django.db import DEFAULT_DB_ALIAS, connections
 from django.utils import timezone
 
-from workflow_delivery import fence, keys, services
+from workflow_delivery import fence, keys, roster, services
 from workflow_delivery.client import AgentClient
 from workflow_delivery.consumer import (
     Consumer,
@@ -272,6 +272,11 @@ def _load_community(report: DemoReport, host: str, expiring: list[UUID]) -> None
         # messages name those targets, so new deliveries could not be bound to them.
         report.stale_hosts.append(host)
         return
+    # The demo agents are the community's roster: deliveries go only to enrolled keys.
+    for name in AGENTS:
+        roster.enroll_agent(
+            community.id, keys.public_key_bytes(agent_secret(host, name)), label=name
+        )
     for flow_index, (flow_name, cause_kind) in enumerate(WORKFLOWS.items()):
         _load_workflow(report, community, flow_index, flow_name, cause_kind, expiring)
 

@@ -18,6 +18,7 @@ from ninja.security import APIKeyHeader
 from .. import services
 from ..conf import app_settings
 from ..exceptions import AgentAuthRefused
+from ..protocol import AgentStanding
 from . import nip98
 
 logger = logging.getLogger(__name__)
@@ -83,20 +84,29 @@ def authenticate(request: HttpRequest) -> Caller:
     # Behind a shared origin the signed URL names no community: the event must.
     nip98.check_host(event, host, required=bool(app_settings.API_ORIGIN))
     pubkey = nip98.verify_event(event)
-    community_id = admit(host, event)
+    community_id = admit(host, event, pubkey)
     return Caller(community_id=community_id, pubkey=pubkey, event_id=event.id)
 
 
-def admit(host: str, event: nip98.SignedEvent) -> UUID:
-    """The community served at ``host``, once the event is fresh and used for the
-    first time anywhere (one statement: the look-up, the clock, the replay guard)."""
-    admission = services.admit_request_event(host, event.id, event.created_at)
+def admit(host: str, event: nip98.SignedEvent, pubkey: bytes) -> UUID:
+    """The community served at ``host``, once ``pubkey`` is an enabled agent of its
+    roster and the event is fresh and used for the first time anywhere (one
+    statement: the look-ups, the clock, the replay guard)."""
+    admission = services.admit_request_event(host, event.id, event.created_at, pubkey=pubkey)
     if admission.community_id is None:
         raise ApiError(404, "unknown_community", f"no community is served at host {host!r}")
     if not admission.fresh:
         skew = app_settings.API_MAX_CLOCK_SKEW_SECONDS
         raise AgentAuthRefused(
             "auth_stale", f"created_at must be within {skew} s of the server's clock"
+        )
+    if admission.standing is None:
+        raise AgentAuthRefused(
+            "auth_unknown_agent", f"the key {pubkey.hex()} is not an agent of this community"
+        )
+    if admission.standing is AgentStanding.REVOKED:
+        raise AgentAuthRefused(
+            "auth_revoked", f"the key {pubkey.hex()} was revoked from this community's agents"
         )
     if not admission.recorded:
         raise AgentAuthRefused("auth_replay", "this signed request was already used")

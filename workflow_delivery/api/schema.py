@@ -231,6 +231,15 @@ class WakeOut(Schema):
 
 
 class ErrorOut(Schema):
-    error: str
+    error: str = Field(
+        description=(
+            "A stable code. A 401 names the refusal: auth_missing, auth_malformed, "
+            "auth_wrong_kind, auth_bad_id, auth_bad_signature, auth_url_mismatch, "
+            "auth_method_mismatch, auth_payload_missing, auth_payload_mismatch, "
+            "auth_host_missing, auth_host_mismatch, auth_stale, auth_replay, "
+            "auth_unknown_agent (the key is not an agent of the community's roster) or "
+            "auth_revoked (the key was revoked from it)."
+        )
+    )
     detail: str
     field: str | None = None
