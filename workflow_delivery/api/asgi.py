@@ -1,0 +1,92 @@
+"""An ASGI application for a project that serves the agent API: Django's, except
+where each request's synchronous code runs.
+
+Django's ``ASGIHandler`` gives every request a thread of its own for its synchronous
+code (middleware, signal receivers, sync views). Database connections belong to a
+thread, so each request then opens a new PostgreSQL session and, with persistent
+connections, leaves it behind. ``PooledThreadsHandler`` runs each request's
+synchronous code on one of a few long-lived threads instead, chosen per request, so
+their connections are reused as a WSGI server's threads reuse theirs:
+
+    # asgi.py
+    from workflow_delivery.api.asgi import get_asgi_application
+
+    application = get_asgi_application(threads=4)
+
+Everything Django does per request stays: ``request_started`` and ``request_finished``
+run ``close_old_connections()`` on the request's thread, so ``CONN_MAX_AGE`` and
+``CONN_HEALTH_CHECKS`` apply as under WSGI. A transaction never spans two of a
+request's synchronous calls (a view and its ``atomic`` run in one), so requests that
+share a thread take turns between calls and never see each other's transaction.
+With ``CONN_MAX_AGE = 0`` each request still closes its connection at its end.
+"""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import django
+from asgiref.sync import ThreadSensitiveContext
+from django.core.handlers.asgi import ASGIHandler
+
+_pooled = threading.local()
+
+
+def on_pooled_thread() -> bool:
+    """True on a thread of a ``PooledThreadsHandler``: its connection outlives the
+    request and serves the next one."""
+    return getattr(_pooled, "handler", False)
+
+
+def _mark_pooled() -> None:
+    _pooled.handler = True
+
+
+def _takes_an_executor() -> bool:
+    # asgiref 3.13 and later run a context's thread-sensitive calls on an executor
+    # its caller owns; before that each context made (and shut down) its own.
+    try:
+        ThreadSensitiveContext(executor=None)
+    except TypeError:
+        return False
+    return True
+
+
+class PooledThreadsHandler(ASGIHandler):
+    """``ASGIHandler`` whose requests run their synchronous code on ``threads``
+    long-lived threads, each request on the one with the fewest requests in flight."""
+
+    def __init__(self, threads: int = 4) -> None:
+        if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
+            raise ValueError(f"threads must be a positive whole number, not {threads!r}")
+        super().__init__()
+        self.pooled = _takes_an_executor()
+        # One worker each: a request's synchronous calls must all run on one thread.
+        self._executors = [
+            ThreadPoolExecutor(
+                max_workers=1, thread_name_prefix=f"django-sync-{index}", initializer=_mark_pooled
+            )
+            for index in range(threads)
+        ]
+        self._in_flight = [0] * threads
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http" or not self.pooled:
+            # Django's own path (and its refusal of what is not HTTP).
+            await super().__call__(scope, receive, send)
+            return
+        # Only the event loop's thread reads and writes the counts.
+        index = min(range(len(self._in_flight)), key=self._in_flight.__getitem__)
+        self._in_flight[index] += 1
+        try:
+            async with ThreadSensitiveContext(executor=self._executors[index]):
+                await self.handle(scope, receive, send)
+        finally:
+            self._in_flight[index] -= 1
+
+
+def get_asgi_application(threads: int = 4) -> PooledThreadsHandler:
+    """Django's ``get_asgi_application()`` with a ``PooledThreadsHandler``."""
+    django.setup(set_prefix=False)
+    return PooledThreadsHandler(threads)
