@@ -8,13 +8,16 @@ connection the server opens (the wake listener names its own).
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import http.client
 import json
+import threading
 import time
 import uuid
 
 import pytest
+from django.core import signals
 from django.db import connection
 
 from tests import factories
@@ -146,3 +149,67 @@ def send_signed(server: str, key: bytes, body: bytes) -> tuple[int, str]:
 def test_the_handler_refuses_a_thread_count_that_is_not_a_positive_whole_number(threads):
     with pytest.raises(ValueError, match="threads must be a positive whole number"):
         PooledThreadsHandler(threads)
+
+
+def asgi_get(handler: PooledThreadsHandler, path: str) -> int:
+    """GET ``path`` from ``handler`` in this process; the answer's status."""
+
+    async def call() -> int:
+        pending = [{"type": "http.request", "body": b"", "more_body": False}]
+        sent: list[dict] = []
+
+        async def receive() -> dict:
+            if pending:
+                return pending.pop()
+            await asyncio.Event().wait()  # the client never goes away
+            raise AssertionError
+
+        async def send(message: dict) -> None:
+            sent.append(message)
+
+        scope = {
+            "type": "http",
+            "asgi": {"version": "3.0"},
+            "http_version": "1.1",
+            "method": "GET",
+            "scheme": "http",
+            "path": path,
+            "raw_path": path.encode(),
+            "query_string": b"",
+            "root_path": "",
+            "headers": [(b"host", b"localhost")],
+            "client": ("127.0.0.1", 50000),
+            "server": ("127.0.0.1", 80),
+        }
+        await handler(scope, receive, send)
+        return sent[0]["status"]
+
+    return asyncio.run(call())
+
+
+@pytest.mark.parametrize(
+    "path, status",
+    [("/agents/v1/openapi.json", 200), ("/nowhere", 404)],
+    ids=["a synchronous view, in one call", "no view, Django's path"],
+)
+def test_a_request_starts_and_finishes_on_the_handler_s_long_lived_thread(path, status):
+    handler = PooledThreadsHandler(threads=1)
+    seen: list[tuple[str, str]] = []
+
+    def started(**kwargs: object) -> None:
+        seen.append(("started", threading.current_thread().name))
+
+    def finished(**kwargs: object) -> None:
+        seen.append(("finished", threading.current_thread().name))
+
+    signals.request_started.connect(started)
+    signals.request_finished.connect(finished)
+    try:
+        assert asgi_get(handler, path) == status
+        assert asgi_get(handler, path) == status
+    finally:
+        signals.request_started.disconnect(started)
+        signals.request_finished.disconnect(finished)
+    names = {name for _, name in seen}
+    assert [event for event, _ in seen] == ["started", "finished"] * 2
+    assert len(names) == 1 and names.pop().startswith("django-sync-0")

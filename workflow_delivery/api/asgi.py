@@ -19,6 +19,14 @@ run ``close_old_connections()`` on the request's thread, so ``CONN_MAX_AGE`` and
 request's synchronous calls (a view and its ``atomic`` run in one), so requests that
 share a thread take turns between calls and never see each other's transaction.
 With ``CONN_MAX_AGE = 0`` each request still closes its connection at its end.
+
+A request for a synchronous view (claim, renew, finish, read) is served in one call
+on its thread, as a WSGI server serves it: ``request_started``, the middleware in
+their synchronous mode, the view, and for an answer that is not streamed
+``request_finished``; only reading the body and sending the answer stay on the
+event loop. Django's own path would move between the loop and the thread three
+times for such a request. An asynchronous view (``wait``), or a path that resolves
+to nothing, takes Django's path.
 """
 
 from __future__ import annotations
@@ -27,8 +35,13 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import django
-from asgiref.sync import ThreadSensitiveContext
-from django.core.handlers.asgi import ASGIHandler
+from asgiref.sync import ThreadSensitiveContext, iscoroutinefunction, sync_to_async
+from django.core import signals
+from django.core.exceptions import RequestAborted
+from django.core.handlers.asgi import ASGIHandler, get_script_prefix
+from django.core.handlers.base import BaseHandler
+from django.http import HttpResponseBase
+from django.urls import Resolver404, get_resolver, set_script_prefix
 
 _pooled = threading.local()
 
@@ -70,6 +83,9 @@ class PooledThreadsHandler(ASGIHandler):
             for index in range(threads)
         ]
         self._in_flight = [0] * threads
+        # The same middleware in their synchronous mode, for synchronous views.
+        self._sync = BaseHandler()
+        self._sync.load_middleware(is_async=False)
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http" or not self.pooled:
@@ -81,9 +97,54 @@ class PooledThreadsHandler(ASGIHandler):
         self._in_flight[index] += 1
         try:
             async with ThreadSensitiveContext(executor=self._executors[index]):
-                await self.handle(scope, receive, send)
+                if self._synchronous_view(scope):
+                    await self._handle_in_one_call(scope, receive, send)
+                else:
+                    await self.handle(scope, receive, send)
         finally:
             self._in_flight[index] -= 1
+
+    @staticmethod
+    def _synchronous_view(scope) -> bool:
+        """Whether the path names a synchronous view of the root URLconf. Only the
+        number of thread hops depends on it: either path serves any view."""
+        script_name = scope.get("root_path", "")
+        path = scope["path"]
+        if script_name and path.startswith(script_name):
+            path = path[len(script_name) :]
+        try:
+            match = get_resolver().resolve(path)
+        except Resolver404:
+            return False
+        return not iscoroutinefunction(match.func)
+
+    async def _handle_in_one_call(self, scope, receive, send) -> None:
+        try:
+            body_file = await self.read_body(receive)
+        except RequestAborted:
+            return
+        set_script_prefix(get_script_prefix(scope))
+        try:
+            response = await sync_to_async(self._respond)(scope, body_file)
+            await self.send_response(response, send)
+            if response.streaming:
+                await sync_to_async(response.close)()
+        finally:
+            body_file.close()
+
+    def _respond(self, scope, body_file) -> HttpResponseBase:
+        """What Django's path does on the request's thread, in one call."""
+        signals.request_started.send(sender=self.__class__, scope=scope)
+        request, response = self.create_request(scope, body_file)
+        if request is not None:
+            response = self._sync.get_response(request)
+            response._handler_class = self.__class__
+        if not response.streaming:
+            # The answer is complete: the request is over for Django (its resources
+            # closed, request_finished sent) before its bytes go out, as under WSGI
+            # once a server has the body.
+            response.close()
+        return response
 
 
 def get_asgi_application(threads: int = 4) -> PooledThreadsHandler:
