@@ -23,12 +23,16 @@ from django.db import connection
 from tests import factories
 from tests.agent_http import pubkey, secret, uvicorn_server
 from workflow_delivery.api import nip98
-from workflow_delivery.api.asgi import PooledThreadsHandler
+from workflow_delivery.api.asgi import POOLED_THREADS, PooledThreadsHandler
 from workflow_delivery.client import AgentClient
 from workflow_delivery.models import AgentRequestReplay
 from workflow_delivery.protocol import LeaseLost, Outcome, Settled
 
-pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.psycopg3]
+pytestmark = [
+    pytest.mark.django_db(transaction=True),
+    pytest.mark.psycopg3,
+    pytest.mark.skipif(not POOLED_THREADS, reason="asgiref before 3.13: a thread per request"),
+]
 
 APP_NAME = f"wd-asgi-{uuid.uuid4().hex[:8]}"
 

@@ -57,13 +57,17 @@ def _mark_pooled() -> None:
 
 
 def _takes_an_executor() -> bool:
-    # asgiref 3.13 and later run a context's thread-sensitive calls on an executor
-    # its caller owns; before that each context made (and shut down) its own.
     try:
         ThreadSensitiveContext(executor=None)
     except TypeError:
         return False
     return True
+
+
+# asgiref 3.13 and later run a context's thread-sensitive calls on an executor its
+# caller owns; before that each context makes (and shuts down) a thread of its own,
+# and the handler then keeps only the one call per synchronous view.
+POOLED_THREADS = _takes_an_executor()
 
 
 class PooledThreadsHandler(ASGIHandler):
@@ -74,7 +78,6 @@ class PooledThreadsHandler(ASGIHandler):
         if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
             raise ValueError(f"threads must be a positive whole number, not {threads!r}")
         super().__init__()
-        self.pooled = _takes_an_executor()
         # One worker each: a request's synchronous calls must all run on one thread.
         self._executors = [
             ThreadPoolExecutor(
@@ -88,15 +91,19 @@ class PooledThreadsHandler(ASGIHandler):
         self._sync.load_middleware(is_async=False)
 
     async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] != "http" or not self.pooled:
-            # Django's own path (and its refusal of what is not HTTP).
+        if scope["type"] != "http":
+            # Django's refusal of what is not HTTP.
             await super().__call__(scope, receive, send)
             return
         # Only the event loop's thread reads and writes the counts.
         index = min(range(len(self._in_flight)), key=self._in_flight.__getitem__)
         self._in_flight[index] += 1
+        if POOLED_THREADS:
+            context = ThreadSensitiveContext(executor=self._executors[index])
+        else:
+            context = ThreadSensitiveContext()
         try:
-            async with ThreadSensitiveContext(executor=self._executors[index]):
+            async with context:
                 if self._synchronous_view(scope):
                     await self._handle_in_one_call(scope, receive, send)
                 else:
