@@ -325,7 +325,9 @@ def _arguments(argv: list[str] | None) -> argparse.Namespace:
         help="the HTTP side's server (both: each in turn)",
     )
     parser.add_argument("--server-workers", type=int, default=2, help="server worker processes")
-    parser.add_argument("--runs", type=int, default=3, help="rounds of in-process then HTTP")
+    parser.add_argument(
+        "--runs", type=int, default=3, help="rounds of in-process then HTTP (0: none)"
+    )
     parser.add_argument(
         "--batch",
         type=int,
@@ -355,10 +357,10 @@ def _arguments(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--db-prefix", default="buzz_bench", help="prefix of the scratch database")
     parser.add_argument("--json", type=Path, default=None, metavar="PATH")
     options = parser.parse_args(argv)
-    if options.agents < 1 or options.server_workers < 1 or options.rows < 1 or options.runs < 1:
-        parser.error("--agents, --server-workers, --rows and --runs must be positive")
-    if options.pool < 0 or options.batch < 0 or options.wake_samples < 0:
-        parser.error("--pool, --batch and --wake-samples must be 0 or more")
+    if options.agents < 1 or options.server_workers < 1 or options.rows < 1:
+        parser.error("--agents, --server-workers and --rows must be positive")
+    if min(options.pool, options.batch, options.wake_samples, options.runs) < 0:
+        parser.error("--pool, --batch, --wake-samples and --runs must be 0 or more")
     return options
 
 
@@ -462,7 +464,7 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print("| HTTP side | " + " | ".join(f"run {run}" for run in range(1, len(runs) + 1)) + " |")
     print("|---|" + "---|" * len(runs))
-    for label in runs[0]:
+    for label in runs[0] if runs else ():
         ratios = " | ".join(f"{rounds[label]['ratio']:.3f}" for rounds in runs)
         print(f"| {label} / in-process | {ratios} |")
     for server, wake in wakes.items():
