@@ -1,19 +1,25 @@
-"""The agent HTTP API: claim+finish cycles/s over HTTP against the in-process service,
-and the per-request cost of NIP-98 verification and the replay-guard insert.
+"""The agent HTTP API: claim+finish over HTTP against the same agents calling the
+services in-process, under gunicorn (WSGI) and uvicorn (ASGI); the batch endpoints;
+how soon a ``wait`` is woken; the per-request cost of NIP-98 verification and the
+replay-guard insert.
 
-    .venv/bin/python bench/api.py                          # 8 agents, 2 uvicorn workers
-    .venv/bin/python bench/api.py --server gunicorn        # WSGI, persistent connections
+    .venv/bin/python bench/api.py                          # both servers, 3 runs, 8 agents
+    .venv/bin/python bench/api.py --server gunicorn --runs 1
     .venv/bin/python bench/api.py --seconds 1 --rows 500 --agents 2 --server-workers 1
 
 Creates its own database (``<prefix>_<pid>``), migrates, seeds pending deliveries
 round-robin over the agents' keys, and drops it at the end (also on Ctrl-C/SIGTERM).
-A third phase (uvicorn only) repeats the HTTP side while ``--waiters`` other agents
-sit in ``wait``, to show that waiting agents do not slow claims. Each side runs
-``--agents`` processes that start together on a barrier; only cycles
-that end inside the measured window count. The HTTP side is the demo project under
-uvicorn with ``--server-workers`` worker processes on loopback, each agent an
-``AgentClient`` (signing every request); the service side calls
-``workflow_delivery.services`` directly. Both sides start from the same seed.
+The servers are the demo project on loopback with ``--server-workers`` worker
+processes each (gunicorn: gthread, 4 threads a worker; uvicorn: the project's
+``asgi.py``), both started once. Each run measures, per server, an in-process phase
+and then the HTTP phase from the same seed, so a busy machine loads both alike; the
+ratio is HTTP deliveries/s over in-process claim+finish cycles/s of that pair. The
+batch line claims and finishes ``--batch`` deliveries per request. Each side runs
+``--agents`` processes that start together on a barrier; only cycles that end
+inside the measured window count. Each HTTP agent is an ``AgentClient`` (signing
+every request). Then, per server, ``--wake-samples`` commit -> ``wait`` answers of
+one parked agent, and (uvicorn) the HTTP side again while ``--waiters`` other
+agents sit in ``wait``, against the HTTP side alone just before.
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ import os
 import sys
 import threading
 import time
+from contextlib import ExitStack
 from pathlib import Path
 
 if __package__ in (None, ""):
@@ -68,8 +75,11 @@ def _seed(db: common.BenchDb, tenant: common.Tenant, keys: list[bytes], rows: in
         common.vacuum(conn)
 
 
-def _agent(mode: str, index: int, secret: bytes, where: str, community: str, barrier, stop, out):
-    """One agent process: claim + finish until ``stop``, stamping each cycle's end."""
+def _agent(
+    mode: str, index: int, secret: bytes, where: str, community: str, batch: int, barrier, stop, out
+):
+    """One agent process: claim + finish until ``stop``, stamping each cycle's end
+    with the deliveries it settled (``http-batch``: up to ``batch`` per request)."""
     if mode == "service":
         common.setup_django(where)
         from django.db import connections
@@ -82,10 +92,22 @@ def _agent(mode: str, index: int, secret: bytes, where: str, community: str, bar
         def claim():
             return services.claim_delivery(community, target, lease_seconds=LEASE_SECONDS)
 
-        def finish(lease):
-            return services.finish_delivery(lease, "finished")
+        def finish(claimed):
+            return services.finish_delivery(claimed[0], "finished")
 
         close = connections.close_all
+    elif mode == "http-batch":
+        from workflow_delivery.client import AgentClient
+
+        client = AgentClient(f"{where}/agents/", secret)
+
+        def claim():
+            return client.claim_many(batch, lease_seconds=LEASE_SECONDS) or None
+
+        def finish(claimed):
+            return client.finish_many([(lease, "finished") for lease, _record in claimed])
+
+        close = client.close
     else:
         from workflow_delivery.client import AgentClient
 
@@ -94,11 +116,11 @@ def _agent(mode: str, index: int, secret: bytes, where: str, community: str, bar
         def claim():
             return client.claim(lease_seconds=LEASE_SECONDS)
 
-        def finish(lease):
-            return client.finish(lease, "finished")
+        def finish(claimed):
+            return client.finish(claimed[0], "finished")
 
         close = client.close
-    stamps: list[tuple[float, float]] = []
+    stamps: list[tuple[float, float, int]] = []
     misses = 0
     try:
         barrier.wait(120)
@@ -108,22 +130,24 @@ def _agent(mode: str, index: int, secret: bytes, where: str, community: str, bar
             if claimed is None:
                 misses += 1
                 continue
-            finish(claimed[0])
-            stamps.append((time.monotonic(), time.monotonic() - started))
+            finish(claimed)
+            settled = len(claimed) if mode == "http-batch" else 1
+            stamps.append((time.monotonic(), time.monotonic() - started, settled))
     finally:
         close()
         out.put((index, stamps, misses))
 
 
-def _phase(mode: str, where: str, community: str, secrets: list[bytes], options) -> dict:
+def _phase(
+    mode: str, where: str, community: str, secrets: list[bytes], options, label: str = ""
+) -> dict:
     context = mp.get_context("spawn")
     barrier = context.Barrier(len(secrets) + 1)
     stop = context.Event()
     out = context.Queue()
+    arguments = (where, community, options.batch, barrier, stop, out)
     workers = [
-        context.Process(
-            target=_agent, args=(mode, i, key, where, community, barrier, stop, out), daemon=True
-        )
+        context.Process(target=_agent, args=(mode, i, key, *arguments), daemon=True)
         for i, key in enumerate(secrets)
     ]
     for worker in workers:
@@ -138,12 +162,20 @@ def _phase(mode: str, where: str, community: str, secrets: list[bytes], options)
     results = [out.get(timeout=60) for _ in workers]
     for worker in workers:
         worker.join(30)
-    inside = [lat for _, stamps, _ in results for stamp, lat in stamps if begin <= stamp < end]
+    inside = [
+        (lat, settled)
+        for _, stamps, _ in results
+        for stamp, lat, settled in stamps
+        if begin <= stamp < end
+    ]
     misses = sum(miss for _, _, miss in results)
+    settled = sum(count for _, count in inside)
+    inside = [lat for lat, _ in inside]
     return {
-        "mode": mode,
+        "mode": label or mode,
         "cycles": len(inside),
         "cycles_per_s": len(inside) / options.seconds,
+        "deliveries_per_s": settled / options.seconds,
         "p50_ms": common.percentile(inside, 50) * 1000,
         "p99_ms": common.percentile(inside, 99) * 1000,
         "misses": misses,
@@ -206,13 +238,114 @@ def _auth_costs(community: str, secret: bytes, count: int) -> dict[str, float]:
     }
 
 
+def _commit_one(tenant: common.Tenant, target: bytes) -> None:
+    import uuid
+
+    from workflow_delivery import services
+    from workflow_delivery.protocol import DeliveryBinding, EventCause, NewDelivery
+
+    binding = DeliveryBinding(
+        community_id=tenant.community_id,
+        workflow_id=tenant.workflow_id,
+        run_id=tenant.run_id,
+        step_id=f"wake-{uuid.uuid4().hex}",
+        target_pubkey=target,
+        definition_event_id=tenant.definition_id,
+        message_event_id=tenant.message_id,
+        cause=EventCause(tenant.cause_id),
+    )
+    delivery = NewDelivery(uuid.uuid4(), binding)
+    services.commit_deliveries(tenant.community_id, tenant.message_created_at, [delivery])
+
+
+def _wake_phase(url: str, tenant: common.Tenant, samples: int) -> dict:
+    """Commit -> answer of one agent parked in ``wait``: the clock starts before the
+    producer's ``commit_deliveries`` is called (so it includes the commit) and stops
+    when the agent's ``wait`` returns the delivery. The agent claims and finishes
+    what it was woken for before it waits again; a commit is made only once its
+    target is registered idle and 20 ms more have passed, so each is announced by
+    the commit's own notification, not found by the wait's first look."""
+    import queue
+
+    from workflow_delivery import roster
+    from workflow_delivery.client import AgentClient
+    from workflow_delivery.keys import public_key_bytes as public_key
+    from workflow_delivery.models import IdleWakeTarget
+
+    secret = os.urandom(32)
+    target = public_key(secret)
+    roster.enroll_agent(tenant.community_id, target)
+    answers: queue.Queue = queue.Queue()
+    stop = threading.Event()
+
+    def agent() -> None:
+        with AgentClient(f"{url}/agents/", secret, timeout=30) as client:
+            while not stop.is_set():
+                hint = client.wait(timeout=10)
+                answers.put((time.monotonic(), hint))
+                if hint is not None:
+                    lease, _record = client.claim(delivery_id=hint.delivery_id)
+                    client.finish(lease, "finished")
+
+    thread = threading.Thread(target=agent, daemon=True)
+    thread.start()
+    idle = IdleWakeTarget.objects.filter(community_id=tenant.community_id, target_pubkey=target)
+    latencies: list[float] = []
+    try:
+        for _ in range(samples):
+            deadline = time.monotonic() + 15
+            while not idle.exists():
+                if time.monotonic() > deadline:
+                    raise RuntimeError("the waiting agent never registered as idle")
+                time.sleep(0.002)
+            time.sleep(0.02)
+            started = time.monotonic()
+            _commit_one(tenant, target)
+            while True:
+                answered, hint = answers.get(timeout=15)
+                if hint is not None:
+                    break
+            latencies.append(answered - started)
+    finally:
+        stop.set()
+        thread.join(15)
+    return {
+        "samples": len(latencies),
+        "p50_ms": common.percentile(latencies, 50) * 1000,
+        "p99_ms": common.percentile(latencies, 99) * 1000,
+        "max_ms": max(latencies) * 1000,
+    }
+
+
 def _arguments(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seconds", type=float, default=10.0, help="measured window per side")
     parser.add_argument("--warmup", type=float, default=1.0, help="unmeasured start per side")
     parser.add_argument("--agents", type=int, default=8, help="agent processes per side")
-    parser.add_argument("--server", choices=common.SERVERS, default="uvicorn")
+    parser.add_argument(
+        "--server",
+        choices=(*common.SERVERS, "both"),
+        default="both",
+        help="the HTTP side's server (both: each in turn)",
+    )
     parser.add_argument("--server-workers", type=int, default=2, help="server worker processes")
+    parser.add_argument(
+        "--runs", type=int, default=3, help="rounds of in-process then HTTP (0: none)"
+    )
+    parser.add_argument(
+        "--batch",
+        type=int,
+        default=10,
+        metavar="N",
+        help="claim/finish N per request in a batch line (0: no batch line)",
+    )
+    parser.add_argument(
+        "--wake-samples",
+        type=int,
+        default=50,
+        metavar="N",
+        help="commit -> wait answer samples per server (0: none)",
+    )
     parser.add_argument(
         "--pool",
         type=int,
@@ -222,7 +355,7 @@ def _arguments(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--rows", type=int, default=100_000, help="pending deliveries seeded")
     parser.add_argument(
-        "--waiters", type=int, default=100, help="agents in wait during a third phase (uvicorn)"
+        "--waiters", type=int, default=100, help="agents in wait during a last phase (uvicorn)"
     )
     parser.add_argument("--auth-calls", type=int, default=2000, help="calls per auth figure")
     parser.add_argument("--db-prefix", default="buzz_bench", help="prefix of the scratch database")
@@ -230,16 +363,24 @@ def _arguments(argv: list[str] | None) -> argparse.Namespace:
     options = parser.parse_args(argv)
     if options.agents < 1 or options.server_workers < 1 or options.rows < 1:
         parser.error("--agents, --server-workers and --rows must be positive")
-    if options.pool < 0:
-        parser.error("--pool must be 0 or more")
+    if min(options.pool, options.batch, options.wake_samples, options.runs) < 0:
+        parser.error("--pool, --batch, --wake-samples and --runs must be 0 or more")
     return options
+
+
+def _row(side: dict) -> str:
+    return (
+        f"| {side['mode']} | {side['cycles_per_s']:.0f} | {side['deliveries_per_s']:.0f} "
+        f"| {side['p50_ms']:.2f} | {side['p99_ms']:.2f} | {side['misses']} |"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
     options = _arguments(argv)
+    servers = list(common.SERVERS) if options.server == "both" else [options.server]
     secrets = [os.urandom(32) for _ in range(options.agents)]
     waiter_secrets = [os.urandom(32) for _ in range(options.waiters)]
-    with common.bench_database(options.db_prefix, quiet=True) as db:
+    with common.bench_database(options.db_prefix, quiet=True) as db, ExitStack() as stack:
         from workflow_delivery.keys import public_key_bytes as public_key
 
         keys = [public_key(secret) for secret in secrets]
@@ -250,68 +391,104 @@ def main(argv: list[str] | None = None) -> int:
             rename = "UPDATE communities SET host = %s WHERE id = %s"
             conn.execute(rename, [HOST, tenant.community_id])
         community = str(tenant.community_id)
-        print(f"api bench: {options.agents} agents, {options.seconds:g} s per side", flush=True)
-
-        _seed(db, tenant, keys, options.rows)
-        service = _phase("service", db.name, community, secrets, options)
-        print(f"  in-process service: {service['cycles_per_s']:.0f} cycles/s", flush=True)
-
-        _seed(db, tenant, keys, options.rows)
-        pool = {"DATABASE_POOL_SIZE": str(options.pool)} if options.pool else None
-        server = common.api_server(
-            common.database_url(db),
-            server=options.server,
-            workers=options.server_workers,
-            env=pool,
-        )
-        with server as url:
-            http = _phase("http", url, community, secrets, options)
-            waiting = None
-            if options.waiters and options.server == "uvicorn":
-                _seed(db, tenant, keys, options.rows)
-                stop = threading.Event()
-                crowd = _waiters(url, waiter_secrets, stop)
-                time.sleep(2.0)
-                try:
-                    waiting = _phase("http+waiters", url, community, secrets, options)
-                finally:
-                    stop.set()
-                    for thread in crowd:
-                        thread.join(10)
         print(
-            f"  HTTP ({options.server}, {options.server_workers} workers"
-            f"{f', pool of {options.pool}' if options.pool else ''}): "
-            f"{http['cycles_per_s']:.0f} cycles/s",
+            f"api bench: {options.agents} agents, {options.seconds:g} s per side,"
+            f" {options.runs} runs, servers {', '.join(servers)}",
             flush=True,
         )
+        pool = {"DATABASE_POOL_SIZE": str(options.pool)} if options.pool else None
+        urls = {
+            server: stack.enter_context(
+                common.api_server(
+                    common.database_url(db),
+                    server=server,
+                    workers=options.server_workers,
+                    env=pool,
+                )
+            )
+            for server in servers
+        }
+        # Each HTTP phase right after an in-process phase of its own, from the same
+        # seed: on a busy machine the pair sees the same load.
+        runs: list[dict] = []
+        for run in range(1, options.runs + 1):
+            rounds: dict[str, dict] = {}
+            for server in servers:
+                lines = [("http", server)]
+                if options.batch:
+                    lines.append(("http-batch", f"{server} batch of {options.batch}"))
+                for mode, label in lines:
+                    _seed(db, tenant, keys, options.rows)
+                    service = _phase("service", db.name, community, secrets, options)
+                    _seed(db, tenant, keys, options.rows)
+                    http = _phase(mode, urls[server], community, secrets, options, label)
+                    ratio = http["deliveries_per_s"] / (service["cycles_per_s"] or float("nan"))
+                    rounds[label] = {"service": service, "http": http, "ratio": ratio}
+                    print(
+                        f"  run {run}, {label}: {http['deliveries_per_s']:.0f} deliveries/s"
+                        f" / in-process {service['cycles_per_s']:.0f} = {ratio:.3f}",
+                        flush=True,
+                    )
+            runs.append(rounds)
+
+        wakes = {}
+        if options.wake_samples:
+            for server in servers:
+                wakes[server] = _wake_phase(urls[server], tenant, options.wake_samples)
+                print(
+                    f"  wait woken ({server}): commit -> answer p50"
+                    f" {wakes[server]['p50_ms']:.2f} ms, p99 {wakes[server]['p99_ms']:.2f} ms",
+                    flush=True,
+                )
+
+        waiting = crowd_ratio = None
+        if options.waiters and "uvicorn" in urls:
+            _seed(db, tenant, keys, options.rows)
+            alone = _phase("http", urls["uvicorn"], community, secrets, options)
+            _seed(db, tenant, keys, options.rows)
+            stop = threading.Event()
+            crowd = _waiters(urls["uvicorn"], waiter_secrets, stop)
+            time.sleep(2.0)
+            try:
+                waiting = _phase(
+                    "http", urls["uvicorn"], community, secrets, options, "uvicorn+waiters"
+                )
+            finally:
+                stop.set()
+                for thread in crowd:
+                    thread.join(10)
+            if alone["cycles_per_s"]:
+                crowd_ratio = waiting["cycles_per_s"] / alone["cycles_per_s"]
         costs = _auth_costs(community, secrets[0], options.auth_calls)
 
-    ratio = http["cycles_per_s"] / service["cycles_per_s"] if service["cycles_per_s"] else None
-    per_request_ms = http["p50_ms"] / 2
-    auth_ms = (costs["verify_us"] + costs["replay_insert_us"]) / 1000
     print()
-    print("| side | cycles/s | p50 cycle ms | p99 cycle ms | misses |")
-    print("|---|---|---|---|---|")
-    for side in (service, http, waiting):
-        if side is None:
-            continue
+    print("| run | side | cycles/s | deliveries/s | p50 cycle ms | p99 cycle ms | misses |")
+    print("|---|---|---|---|---|---|---|")
+    for run, rounds in enumerate(runs, 1):
+        for round_ in rounds.values():
+            for side in (round_["service"], round_["http"]):
+                print(f"| {run} " + _row(side))
+    print()
+    print("| HTTP side | " + " | ".join(f"run {run}" for run in range(1, len(runs) + 1)) + " |")
+    print("|---|" + "---|" * len(runs))
+    for label in runs[0] if runs else ():
+        ratios = " | ".join(f"{rounds[label]['ratio']:.3f}" for rounds in runs)
+        print(f"| {label} / in-process | {ratios} |")
+    for server, wake in wakes.items():
         print(
-            f"| {side['mode']} | {side['cycles_per_s']:.0f} | {side['p50_ms']:.2f} "
-            f"| {side['p99_ms']:.2f} | {side['misses']} |"
+            f"\nwait woken ({server}), commit -> answer over {wake['samples']} samples:"
+            f" p50 {wake['p50_ms']:.2f} ms, p99 {wake['p99_ms']:.2f} ms,"
+            f" max {wake['max_ms']:.2f} ms"
         )
-    print(f"\nHTTP / in-process: {ratio:.3f}x" if ratio is not None else "\nno service cycles")
-    crowd_ratio = None
-    if waiting is not None and http["cycles_per_s"]:
-        crowd_ratio = waiting["cycles_per_s"] / http["cycles_per_s"]
-        print(f"HTTP with {options.waiters} agents waiting / without: {crowd_ratio:.3f}x")
+    if crowd_ratio is not None:
+        print(f"uvicorn with {options.waiters} agents waiting / without: {crowd_ratio:.3f}x")
     print(
         f"per request: sign {costs['sign_us']:.0f} µs (client), verify {costs['verify_us']:.0f} µs,"
         f" replay insert {costs['replay_insert_us']:.0f} µs"
-        f" (SELECT 1 round trip {costs['select_1_round_trip_us']:.0f} µs);"
-        f" verify + insert = {auth_ms:.2f} ms of a ~{per_request_ms:.2f} ms request"
+        f" (SELECT 1 round trip {costs['select_1_round_trip_us']:.0f} µs)"
     )
     if options.json is not None:
-        report = {"service": service, "http": http, "ratio": ratio, "auth": costs}
+        report = {"runs": runs, "wake": wakes, "auth": costs}
         report |= {"http_with_waiters": waiting, "waiters_ratio": crowd_ratio}
         report["options"] = {k: str(v) for k, v in vars(options).items()}
         options.json.write_text(json.dumps(report, indent=2))

@@ -99,7 +99,6 @@ def _as_app_role(config: dict) -> dict:
 
 
 DATABASES = {"default": _as_app_role(_database())}
-DATABASES["default"].setdefault("CONN_MAX_AGE", 0)
 # Fail fast, with one clear line from manage.py, when the server does not answer.
 DATABASES["default"].setdefault("OPTIONS", {}).setdefault(
     "connect_timeout", _read("DATABASE_CONNECT_TIMEOUT", int, 10)
@@ -112,6 +111,25 @@ if _POOL_SIZE < 0:
     raise ImproperlyConfigured(f"DATABASE_POOL_SIZE must be 0 or more, got {_POOL_SIZE}.")
 if _POOL_SIZE:
     DATABASES["default"]["OPTIONS"]["pool"] = {"min_size": 1, "max_size": _POOL_SIZE}
+    # Django's pool takes no persistent connections: it keeps the sessions itself.
+    DATABASES["default"].setdefault("CONN_MAX_AGE", 0)
+else:
+    # Persistent connections (seconds; 0 closes each at the end of its request), as
+    # the agent API wants them: a request opens no new session. Under ASGI only with
+    # asgi.py's handler, whose few threads keep them; Django's own would leave one
+    # behind per request. A session that broke meanwhile is found by the health
+    # check before a request uses it, not by the request's first statement.
+    _CONN_MAX_AGE = _read("DATABASE_CONN_MAX_AGE", int, 60)
+    if _CONN_MAX_AGE < 0:
+        raise ImproperlyConfigured(f"DATABASE_CONN_MAX_AGE must be 0 or more, got {_CONN_MAX_AGE}.")
+    DATABASES["default"].setdefault("CONN_MAX_AGE", _CONN_MAX_AGE)
+DATABASES["default"].setdefault("CONN_HEALTH_CHECKS", True)
+
+# The ASGI server's threads per process for synchronous code (asgi.py): each holds
+# at most one database connection.
+ASGI_THREADS = _read("ASGI_THREADS", int, 4)
+if ASGI_THREADS < 1:
+    raise ImproperlyConfigured(f"ASGI_THREADS must be 1 or more, got {ASGI_THREADS}.")
 
 INSTALLED_APPS = [
     "django.contrib.admin",

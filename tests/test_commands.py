@@ -209,6 +209,9 @@ def test_the_loop_survives_a_terminated_connection(on_sweep, monkeypatch):
     # A persistent connection, so the backend the test terminates is the one the
     # next sweep would use.
     monkeypatch.setitem(connection.settings_dict, "CONN_MAX_AGE", None)
+    # No health check either: it would replace the terminated session before the
+    # sweep met it (the project's default; the loop must survive without it).
+    monkeypatch.setitem(connection.settings_dict, "CONN_HEALTH_CHECKS", False)
     first = expired_step(2)
     second = factories.Step(targets=2)
     commit_deliveries(second.community.id, second.created_at, second.new_deliveries())

@@ -449,9 +449,11 @@ def kill_by_idle_timeout() -> None:
     with connection.cursor() as c:
         c.execute("SET idle_in_transaction_session_timeout = '100ms'")
         c.execute("BEGIN")
-    # A persistent connection (CONN_MAX_AGE=None): kept between passes, so the next
-    # statement is the first to learn that the server ended the session.
+    # A persistent connection (CONN_MAX_AGE=None) with no health check: kept between
+    # passes, so the next statement is the first to learn that the server ended the
+    # session.
     connection.close_at = None
+    connection.health_check_enabled = False
     time.sleep(0.5)
 
 

@@ -8,6 +8,7 @@ miss, a lost lease) are values; database rule violations become named exceptions
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -37,7 +38,7 @@ from .exceptions import (
     StepIdentityClosed,
     WorkflowDeliveryConfigurationError,
 )
-from .models import Event, WorkflowAgentDelivery
+from .models import WorkflowAgentDelivery
 from .protocol import (
     AgentStanding,
     AlreadyTerminal,
@@ -1031,10 +1032,10 @@ def message_events(
     if not wanted:
         return {}
     ids = [event_id for _, event_id in wanted]
-    rows = Event.objects.using(using).filter(community_id=community_id, id__in=ids)
+    # A read: in the API's request transaction it needs no savepoint of its own.
+    rows = db.fetch(using, sql.MESSAGE_EVENTS, [community_id, ids], savepoint=False)
     found: dict[UUID, MessageEvent] = {}
-    for row in rows.values_list("id", "created_at", "pubkey", "kind", "tags", "content"):
-        event_id, created_at, pubkey, kind, tags, content = row
+    for event_id, created_at, pubkey, kind, tags, content in rows:
         delivery_id = wanted.get((created_at, bytes(event_id)))
         if delivery_id is not None:
             found[delivery_id] = MessageEvent(
@@ -1042,7 +1043,7 @@ def message_events(
                 pubkey=bytes(pubkey),
                 created_at=created_at,
                 kind=kind,
-                tags=tags,
+                tags=json.loads(tags),
                 content=content,
             )
     return found

@@ -814,6 +814,14 @@ SELECT (SELECT id FROM community), clock.fresh, EXISTS (SELECT 1 FROM recorded),
   FROM clock
 """
 
+# The message events of claimed or read deliveries, by id, in the caller's community
+# (tags as text: decoded as the JSON field decodes them).
+MESSAGE_EVENTS = f"""
+SELECT id, created_at, pubkey, kind, tags::text, content
+  FROM {_q(Event._meta.db_table)}
+ WHERE community_id = %s::uuid AND id = ANY(%s::bytea[])
+"""
+
 # One bounded batch of replay-guard pruning across communities: only rows whose
 # event can no longer pass the freshness window, only in active communities whose
 # deletion lock is free right now (a tenant being deleted is skipped, never waited

@@ -20,6 +20,7 @@ from ..conf import app_settings
 from ..exceptions import AgentAuthRefused
 from ..protocol import AgentStanding
 from . import nip98
+from .asgi import on_pooled_thread
 
 logger = logging.getLogger(__name__)
 
@@ -150,9 +151,11 @@ wait_gate = threading.BoundedSemaphore(4)
 
 def release_connection() -> None:
     """Close this thread's connection unless a transaction holds it: a waiting request
-    needs none while it waits (CONN_MAX_AGE would otherwise keep it until the end)."""
+    needs none while it waits (CONN_MAX_AGE would otherwise keep it until the end).
+    A pooled thread's connection stays: the thread's other requests use it
+    (``asgi.PooledThreadsHandler``), and there are only so many such threads."""
     connection = connections[DEFAULT_DB_ALIAS]
-    if not connection.in_atomic_block:
+    if not connection.in_atomic_block and not on_pooled_thread():
         connection.close()
 
 

@@ -1,0 +1,219 @@
+"""The demo project under uvicorn (``workflow_delivery.api.asgi``): the server's
+requests run on a few long-lived threads, so they reuse their PostgreSQL sessions,
+leave none in a transaction, and replace one that broke before a request uses it.
+
+The server's sessions are told apart by ``PGAPPNAME``, which libpq reads for every
+connection the server opens (the wake listener names its own).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import http.client
+import json
+import threading
+import time
+import uuid
+
+import pytest
+from django.core import signals
+from django.db import connection
+
+from tests import factories
+from tests.agent_http import pubkey, secret, uvicorn_server
+from workflow_delivery.api import nip98
+from workflow_delivery.api.asgi import POOLED_THREADS, PooledThreadsHandler
+from workflow_delivery.client import AgentClient
+from workflow_delivery.models import AgentRequestReplay
+from workflow_delivery.protocol import LeaseLost, Outcome, Settled
+
+pytestmark = [
+    pytest.mark.django_db(transaction=True),
+    pytest.mark.psycopg3,
+    pytest.mark.skipif(not POOLED_THREADS, reason="asgiref before 3.13: a thread per request"),
+]
+
+APP_NAME = f"wd-asgi-{uuid.uuid4().hex[:8]}"
+
+
+@pytest.fixture(scope="module")
+def server(django_db_setup, django_db_blocker):
+    # One worker process and one thread: every request of the test is served on
+    # the same thread, so it must find the same session there.
+    env = {"PGAPPNAME": APP_NAME, "ASGI_THREADS": "1"}
+    with uvicorn_server(extra_env=env) as url:
+        yield url
+
+
+def base_url(server: str) -> str:
+    return f"http://localhost:{server.rsplit(':', 1)[1]}/agents/"
+
+
+def server_sessions() -> list[tuple[int, str]]:
+    """(pid, state) of the server's own database sessions, by pid."""
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "SELECT pid, state FROM pg_stat_activity "
+            "WHERE application_name = %s AND datname = current_database() ORDER BY pid",
+            [APP_NAME],
+        )
+        return cursor.fetchall()
+
+
+def test_sequential_requests_are_served_on_one_session(server):
+    factories.community("localhost")
+    seen = []
+    with AgentClient(base_url(server), secret()) as agent:
+        for _ in range(5):
+            assert agent.claim() is None
+            seen.append(server_sessions())
+    # Not a session per request, none closed at a request's end, none left behind.
+    assert len(seen[0]) == 1
+    assert seen == [seen[0]] * 5
+    assert seen[0][0][1] == "idle"
+
+
+def test_a_refused_request_rolls_back_and_leaves_its_session_idle(server):
+    owner = factories.community("localhost")
+    key = secret()
+    factories.committed(factories.Step(owner=owner, targets=[pubkey(key)]))
+    with AgentClient(base_url(server), key) as agent:
+        lease, _record = agent.claim(lease_seconds=30)
+        before = AgentRequestReplay.objects.count()
+        stale = dataclasses.replace(lease, generation=lease.generation + 1)
+        # The wrong generation: 409, and its transaction (with the replay row) undone.
+        assert agent.finish(stale, "finished") == LeaseLost()
+        assert AgentRequestReplay.objects.count() == before
+        sessions = server_sessions()
+        assert [state for _, state in sessions] == ["idle"]
+        # The same session goes on to serve the honest request.
+        assert agent.finish(lease, "finished") == Settled(Outcome.FINISHED)
+        assert server_sessions() == sessions
+        assert AgentRequestReplay.objects.count() == before + 1
+
+
+def test_a_session_ended_under_the_server_is_replaced_before_a_request_uses_it(server):
+    factories.community("localhost")
+    with AgentClient(base_url(server), secret()) as agent:
+        assert agent.claim() is None
+        ((pid, _state),) = server_sessions()
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT pg_terminate_backend(%s)", [pid])
+        deadline = time.monotonic() + 5
+        while server_sessions() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        # The health check finds the dead session and opens a new one: not a 500.
+        assert agent.claim() is None
+        ((replacement, _state),) = server_sessions()
+        assert replacement != pid
+
+
+def test_a_wait_keeps_the_thread_s_session_for_the_requests_after_it(server):
+    factories.community("localhost")
+    with AgentClient(base_url(server), secret()) as agent:
+        assert agent.claim() is None
+        sessions = server_sessions()
+        assert agent.wait(timeout=1) is None
+        assert agent.claim() is None
+        assert server_sessions() == sessions
+
+
+def test_a_body_refused_after_authentication_leaves_the_session_idle(server):
+    factories.community("localhost")
+    key = secret()
+    with AgentClient(base_url(server), key) as agent:
+        assert agent.claim() is None
+        sessions = server_sessions()
+        before = AgentRequestReplay.objects.count()
+        # Signed as sent, so it passes authentication; then it is not JSON.
+        assert send_signed(server, key, b"{not json") == (400, "invalid_json")
+        assert AgentRequestReplay.objects.count() == before
+        assert [state for _, state in server_sessions()] == ["idle"]
+        assert agent.claim() is None
+        assert server_sessions() == sessions
+
+
+def send_signed(server: str, key: bytes, body: bytes) -> tuple[int, str]:
+    """POST ``body`` to ``v1/claim``, signed for exactly that body: (status, error code)."""
+    port = int(server.rsplit(":", 1)[1])
+    url = f"http://localhost:{port}/agents/v1/claim"
+    header = nip98.sign_request(key, url=url, method="POST", body=body)
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+    try:
+        headers = {"Host": f"localhost:{port}", "Authorization": header}
+        conn.request("POST", "/agents/v1/claim", body=body, headers=headers)
+        response = conn.getresponse()
+        return response.status, json.loads(response.read())["error"]
+    finally:
+        conn.close()
+
+
+@pytest.mark.parametrize("threads", [0, -1, True, 1.5])
+def test_the_handler_refuses_a_thread_count_that_is_not_a_positive_whole_number(threads):
+    with pytest.raises(ValueError, match="threads must be a positive whole number"):
+        PooledThreadsHandler(threads)
+
+
+def asgi_get(handler: PooledThreadsHandler, path: str) -> int:
+    """GET ``path`` from ``handler`` in this process; the answer's status."""
+
+    async def call() -> int:
+        pending = [{"type": "http.request", "body": b"", "more_body": False}]
+        sent: list[dict] = []
+
+        async def receive() -> dict:
+            if pending:
+                return pending.pop()
+            await asyncio.Event().wait()  # the client never goes away
+            raise AssertionError
+
+        async def send(message: dict) -> None:
+            sent.append(message)
+
+        scope = {
+            "type": "http",
+            "asgi": {"version": "3.0"},
+            "http_version": "1.1",
+            "method": "GET",
+            "scheme": "http",
+            "path": path,
+            "raw_path": path.encode(),
+            "query_string": b"",
+            "root_path": "",
+            "headers": [(b"host", b"localhost")],
+            "client": ("127.0.0.1", 50000),
+            "server": ("127.0.0.1", 80),
+        }
+        await handler(scope, receive, send)
+        return sent[0]["status"]
+
+    return asyncio.run(call())
+
+
+@pytest.mark.parametrize(
+    "path, status",
+    [("/agents/v1/openapi.json", 200), ("/nowhere", 404)],
+    ids=["a synchronous view, in one call", "no view, Django's path"],
+)
+def test_a_request_starts_and_finishes_on_the_handler_s_long_lived_thread(path, status):
+    handler = PooledThreadsHandler(threads=1)
+    seen: list[tuple[str, str]] = []
+
+    def started(**kwargs: object) -> None:
+        seen.append(("started", threading.current_thread().name))
+
+    def finished(**kwargs: object) -> None:
+        seen.append(("finished", threading.current_thread().name))
+
+    signals.request_started.connect(started)
+    signals.request_finished.connect(finished)
+    try:
+        assert asgi_get(handler, path) == status
+        assert asgi_get(handler, path) == status
+    finally:
+        signals.request_started.disconnect(started)
+        signals.request_finished.disconnect(finished)
+    names = {name for _, name in seen}
+    assert [event for event, _ in seen] == ["started", "finished"] * 2
+    assert len(names) == 1 and names.pop().startswith("django-sync-0")
