@@ -1,4 +1,4 @@
-"""The benchmarks of issue #5. Each returns figures: a measured value, the baseline
+"""The service benchmarks. Each returns figures: a measured value, the baseline
 it is compared with (measured in the same invocation, on the same database), and
 the bar it must meet."""
 
