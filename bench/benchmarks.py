@@ -1,4 +1,4 @@
-"""The benchmarks of issue #5. Each returns figures: a measured value, the baseline
+"""The service benchmarks. Each returns figures: a measured value, the baseline
 it is compared with (measured in the same invocation, on the same database), and
 the bar it must meet."""
 
@@ -418,7 +418,7 @@ def reap(db: common.BenchDb, options: Options) -> list[Figure]:
     )
 
 
-# The reaper cliff of issue 10: a few reapable rows in a healthy tenant, measured with
+# The reaper cliff: a few reapable rows in a healthy tenant, measured with
 # no rows parked elsewhere and then with rows/10 expired leases parked in a fenced one.
 CLIFF_REAPABLE = 5
 CLIFF_BATCH = 2

@@ -283,8 +283,8 @@ def seed_deliveries(
     # statistics that have not seen this community (or an emptied table), every index
     # looks as cheap as the next and the probe may read the whole community through
     # (community_id, id): quadratic in a large seed. An ANALYZE after the first rows
-    # (inside the transaction it sees them) gives the planner the community (README,
-    # "Known limits").
+    # (inside the transaction it sees them) gives the planner the community
+    # (docs/explanation/limits.md).
     bounds = [(0, min(count, FIRST_SEED_CHUNK))]
     bounds += [
         (first, min(first + SEED_CHUNK, count)) for first in range(bounds[0][1], count, SEED_CHUNK)

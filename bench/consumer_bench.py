@@ -1,4 +1,4 @@
-"""Benchmarks of the consumer runtime (issue #11): wake latency, recovery after
+"""Benchmarks of the consumer runtime: wake latency, recovery after
 ``kill -9``, the producer's cost of notifications, and consumer throughput.
 
 Each figure has its baseline measured in the same invocation. Consumers run in

@@ -1,4 +1,4 @@
-"""Run the benchmarks of issue #5 against a private database and print each figure
+"""Run the service benchmarks against a private database and print each figure
 beside its baseline and bar.
 
     .venv/bin/python bench/run.py                      # everything

@@ -89,7 +89,7 @@ def _database() -> dict:
 
 def _as_app_role(config: dict) -> dict:
     """With APP_DATABASE_ROLE set, the same server and database as that role (the
-    unprivileged one of README "Running under an unprivileged role"); scripts/run
+    unprivileged one of docs/howto/operations.md, "Run under an unprivileged role"); scripts/run
     migrates without it and serves with it."""
     role = env.str("APP_DATABASE_ROLE", default="")
     if role:

@@ -2,7 +2,7 @@
 community's deletion runs under a role granted DML only, and that role cannot step
 around the triggers (TRUNCATE, session_replication_role, disabling a trigger).
 
-The role is made by ``buzz_project.demo.app_role`` (README's SQL, ``manage.py
+The role is made by ``buzz_project.demo.app_role`` (the SQL of docs/howto/operations.md, ``manage.py
 grant_app_role``, what ``scripts/run`` serves the demo as): the demo's commands run
 under it too."""
 
@@ -32,7 +32,7 @@ from workflow_delivery.runner import logger as reaper_logger
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
-README = Path(__file__).resolve().parent.parent / "README.md"
+OPERATIONS = Path(__file__).resolve().parent.parent / "docs" / "howto" / "operations.md"
 
 
 def run(statement: str, params=()) -> None:
@@ -338,8 +338,8 @@ def test_a_role_granted_the_presentations_table_still_cannot_forge_one(new_role)
         assert WorkflowAgentDelivery.objects.filter(community=step.community).count() == 1
 
 
-def test_the_readme_shows_the_statements_grant_app_role_runs():
-    section = README.read_text().split("### Running under an unprivileged role", 1)[1]
+def test_the_docs_show_the_statements_grant_app_role_runs():
+    section = OPERATIONS.read_text().split("## Run under an unprivileged role", 1)[1]
     block = re.search(r"```sql\n(.*?)```", section, re.S).group(1)
     assert block == app_roles.readme_sql()
 

@@ -1,7 +1,7 @@
 """The unprivileged role the app runs as, in one place.
 
-README "Running under an unprivileged role" shows these statements (a test holds the
-README's block to them), ``manage.py grant_app_role`` runs them for ``scripts/run``,
+docs/howto/operations.md ("Run under an unprivileged role") shows these statements (a
+test holds the page's block to them), ``manage.py grant_app_role`` runs them for ``scripts/run``,
 and ``tests/test_app_role.py`` runs them for its roles. The owner (the role that
 migrates) runs them after every migration, so tables a migration adds are granted too.
 """
@@ -54,7 +54,7 @@ def grant_statements(database: str, role: str, *, executor: bool = False) -> lis
 
 
 def readme_sql(role: str = "buzz_app", database: str = "buzz") -> str:
-    """The block README "Running under an unprivileged role" shows."""
+    """The block docs/howto/operations.md "Run under an unprivileged role" shows."""
     lines = [
         create_statement(role, "'…'"),
         *(grant.format(database=database, role=role) for grant in GRANTS),

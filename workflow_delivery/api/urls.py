@@ -2,6 +2,10 @@
 
 from django.urls import path
 
+from . import docs_view
 from .views import api
 
-urlpatterns = [path("", api.urls)]
+urlpatterns = [
+    path("v1/docs", docs_view.api_docs, name="workflow_delivery_api_docs"),
+    path("", api.urls),
+]

@@ -17,10 +17,10 @@ PASSWORD_VARIABLE = "APP_DATABASE_PASSWORD"
 class Command(BaseCommand):
     help = (
         "As the role that migrated (DATABASE_URL's), create ROLE if it does not exist "
-        "(LOGIN NOSUPERUSER NOCREATEDB NOCREATEROLE NOBYPASSRLS) and grant it the README's "
+        "(LOGIN NOSUPERUSER NOCREATEDB NOCREATEROLE NOBYPASSRLS) and grant it the documented "
         "DML grants on every table and sequence of the database (no temporary tables, "
-        "nothing on the executor's presentations): the role of README 'Running under an "
-        "unprivileged role'. Run it again after each migration. Its password becomes "
+        "nothing on the executor's presentations): the role of docs/howto/operations.md "
+        "'Run under an unprivileged role'. Run it again after each migration. Its password becomes "
         f"{PASSWORD_VARIABLE} when that is set."
     )
 
