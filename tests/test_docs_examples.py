@@ -2,8 +2,8 @@
 
 A block runs when the HTML comment right above its fence carries ``run``
 (``<!-- example: run -->``). A page's blocks run in order in one namespace, after the
-tutorial's block marked ``setup``, so they may use the names it defines. A block
-marked ``needs-send-message`` runs only once ``SEND_MESSAGE_EXAMPLES`` is true. A page
+tutorial's block marked ``setup``, so they may use the names it defines. The README's
+block marked ``first`` stands alone; ``tests/test_readme_example.py`` runs it. A page
 with a block marked ``http`` also gets ``base_url`` (the agent API at the setup's
 community host on the live server) and ``served_at`` (that server's address).
 """
@@ -21,13 +21,8 @@ PAGES = sorted([ROOT / "README.md", *(ROOT / "docs").rglob("*.md")])
 PAGES = [page for page in PAGES if "_build" not in page.parts]
 TUTORIAL = ROOT / "docs" / "tutorial.md"
 
-# The README's first example calls services.send_message; flip this once it exists.
-SEND_MESSAGE_EXAMPLES = False
-
 BLOCK = re.compile(r"<!-- example: ([\w, -]+) -->\n```python\n(.*?)```", re.S)
-TAGS = {"run", "setup", "settings", "lifecycle", "http", "needs-send-message"}
-# Names the README's first example takes as given: an existing community and agent.
-README_GIVEN = "community_id = community.id\nagent_pubkey_hex = agents[0].hex()\n"
+TAGS = {"run", "setup", "settings", "lifecycle", "http", "first"}
 
 # Worker threads of the consumer examples open connections of their own: the rows
 # must be committed.
@@ -45,13 +40,7 @@ def blocks(page: Path) -> list[tuple[set[str], str]]:
 
 
 def _runnable(page: Path) -> list[str]:
-    return [
-        code
-        for tags, code in blocks(page)
-        if "run" in tags
-        and "setup" not in tags
-        and (SEND_MESSAGE_EXAMPLES or "needs-send-message" not in tags)
-    ]
+    return [code for tags, code in blocks(page) if "run" in tags and "setup" not in tags]
 
 
 def _setup() -> str:
@@ -74,8 +63,6 @@ def test_the_page_s_examples_run(page: Path, request, settings) -> None:
         namespace["base_url"] = f"http://acme.example:{port}/agents/"
     try:
         exec(compile(_setup(), f"{_label(TUTORIAL)} (setup)", "exec"), namespace)
-        if page.name == "README.md":
-            exec(README_GIVEN, namespace)
         for number, code in enumerate(_runnable(page), 1):
             exec(compile(code, f"{_label(page)} example {number}", "exec"), namespace)
     finally:
@@ -98,8 +85,3 @@ def test_the_setup_and_lifecycle_blocks_are_where_the_host_check_reads_them() ->
     assert sum("settings" in names for names in tags) == 1
     assert sum("setup" in names for names in tags) == 1
     assert sum("lifecycle" in names for names in tags) >= 2
-
-
-def test_the_send_message_example_waits_for_its_flag() -> None:
-    readme = [names for names, _ in blocks(ROOT / "README.md")]
-    assert any("needs-send-message" in names for names in readme)

@@ -1,46 +1,41 @@
-"""The README's first example, verbatim: a community, one message sent, an in-process
-worker that settles it. ``EXAMPLE`` is exactly the README's code block."""
+"""The README's first example, read from the README itself: a community, an enrolled
+agent, one message sent and an in-process worker that settles it."""
 
 from __future__ import annotations
 
 import contextlib
 import io
+from pathlib import Path
 
 import pytest
 
-from workflow_delivery.models import DeliveryTransition
+from tests.test_docs_examples import blocks
+from workflow_delivery.history import delivery_history
+from workflow_delivery.models import WorkflowAgentDelivery
 
 # The worker runs on connections of its own: the example's rows must be committed.
 pytestmark = pytest.mark.django_db(transaction=True)
 
-EXAMPLE = """\
-from workflow_delivery import keys, services
-from workflow_delivery.consumer import Consumer
-from workflow_delivery.models import Community
+README = Path(__file__).resolve().parent.parent / "README.md"
 
-community = Community.objects.create(host="alpha.example")
-agent = bytes.fromhex(keys.new_key_pair()[1])  # (secret, public): the agent's keys
-sent = services.send_message(
-    community.id, targets=[agent], content="please review", idempotency_key="review-1"
-)
 
-def handle(record, lease, context):
-    print("handling", record.id)
+def first_example() -> str:
+    (code,) = [code for tags, code in blocks(README) if "first" in tags]
+    return code
 
-Consumer(community.id, [agent], handle, max_deliveries=1).run()
-print(services.get_delivery(community.id, sent.deliveries[0].id).status)  # finished
-"""
+
+def test_the_readme_example_is_at_most_fifteen_lines_of_code():
+    lines = [line for line in first_example().splitlines() if line.strip()]
+    assert len(lines) <= 15, lines
 
 
 def test_the_readme_example_settles_its_first_delivery():
-    assert len(EXAMPLE.splitlines()) <= 15
     out = io.StringIO()
-    namespace: dict[str, object] = {}
+    namespace: dict[str, object] = {"__name__": "readme_first_example"}
     with contextlib.redirect_stdout(out):
-        exec(compile(EXAMPLE, "README.md", "exec"), namespace)
+        exec(compile(first_example(), "README.md", "exec"), namespace)
     delivery = namespace["sent"].deliveries[0]
     assert out.getvalue().splitlines() == [f"handling {delivery.id}", "finished"]
-    kinds = DeliveryTransition.objects.filter(delivery_id=delivery.id).values_list(
-        "kind", flat=True
-    )
-    assert list(kinds) == ["committed", "claimed", "finished"]
+    row = WorkflowAgentDelivery.objects.get(id=delivery.id)
+    assert [entry.kind for entry in delivery_history(row)] == ["committed", "claimed", "finished"]
+    assert row.attempts == 1

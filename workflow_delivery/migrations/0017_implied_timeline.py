@@ -356,7 +356,7 @@ def _in_schema(template: str):
 
 
 class Migration(migrations.Migration):
-    dependencies = [("workflow_delivery", "0015_pin_function_search_path")]
+    dependencies = [("workflow_delivery", "0016_community_agents")]
 
     operations = [
         migrations.AddField(
