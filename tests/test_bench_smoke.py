@@ -70,6 +70,7 @@ def test_api_bench_runs_and_drops_its_database(db, tmp_path: Path, server: str) 
     # Enough rows that the service side (about 1 ms a cycle) cannot run dry during the
     # warm-up and leave nothing inside the window: 300 did, now and then.
     command += ["--rows", "4000", "--auth-calls", "20", "--waiters", "5", "--db-prefix", prefix]
+    command += ["--runs", "1", "--batch", "2", "--wake-samples", "3"]
     command += ["--json", str(report)]
     proc = subprocess.Popen(
         command, cwd=ROOT, env=os.environ.copy(), stdout=subprocess.PIPE, stderr=subprocess.PIPE
@@ -78,11 +79,15 @@ def test_api_bench_runs_and_drops_its_database(db, tmp_path: Path, server: str) 
     assert proc.returncode == 0, err.decode()[-2000:]
 
     results = json.loads(report.read_text())
-    assert results["service"]["cycles"] > 0 and results["http"]["cycles"] > 0
+    (run,) = results["runs"]
+    for label in (server, f"{server} batch of 2"):
+        assert run[label]["service"]["cycles"] > 0 and run[label]["http"]["cycles"] > 0
+        assert run[label]["ratio"] > 0
+    assert results["wake"][server]["p99_ms"] > 0
     assert {"verify_us", "replay_insert_us", "sign_us"} <= set(results["auth"])
     if server == "uvicorn":
         assert results["http_with_waiters"]["cycles"] > 0
-    assert b"HTTP / in-process" in out
+    assert f"| {server} / in-process |".encode() in out
 
     with connection.cursor() as cursor:
         cursor.execute(
