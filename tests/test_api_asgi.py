@@ -50,6 +50,13 @@ def base_url(server: str) -> str:
     return f"http://localhost:{server.rsplit(':', 1)[1]}/agents/"
 
 
+def enrolled(owner) -> bytes:
+    """A new agent key in ``owner``'s roster (the API serves enrolled agents only)."""
+    key = secret()
+    factories.enroll(owner, [pubkey(key)])
+    return key
+
+
 def server_sessions() -> list[tuple[int, str]]:
     """(pid, state) of the server's own database sessions, by pid."""
     with connection.cursor() as cursor:
@@ -62,9 +69,9 @@ def server_sessions() -> list[tuple[int, str]]:
 
 
 def test_sequential_requests_are_served_on_one_session(server):
-    factories.community("localhost")
+    key = enrolled(factories.community("localhost"))
     seen = []
-    with AgentClient(base_url(server), secret()) as agent:
+    with AgentClient(base_url(server), key) as agent:
         for _ in range(5):
             assert agent.claim() is None
             seen.append(server_sessions())
@@ -94,8 +101,8 @@ def test_a_refused_request_rolls_back_and_leaves_its_session_idle(server):
 
 
 def test_a_session_ended_under_the_server_is_replaced_before_a_request_uses_it(server):
-    factories.community("localhost")
-    with AgentClient(base_url(server), secret()) as agent:
+    key = enrolled(factories.community("localhost"))
+    with AgentClient(base_url(server), key) as agent:
         assert agent.claim() is None
         ((pid, _state),) = server_sessions()
         with connection.cursor() as cursor:
@@ -110,8 +117,8 @@ def test_a_session_ended_under_the_server_is_replaced_before_a_request_uses_it(s
 
 
 def test_a_wait_keeps_the_thread_s_session_for_the_requests_after_it(server):
-    factories.community("localhost")
-    with AgentClient(base_url(server), secret()) as agent:
+    key = enrolled(factories.community("localhost"))
+    with AgentClient(base_url(server), key) as agent:
         assert agent.claim() is None
         sessions = server_sessions()
         assert agent.wait(timeout=1) is None
@@ -120,8 +127,7 @@ def test_a_wait_keeps_the_thread_s_session_for_the_requests_after_it(server):
 
 
 def test_a_body_refused_after_authentication_leaves_the_session_idle(server):
-    factories.community("localhost")
-    key = secret()
+    key = enrolled(factories.community("localhost"))
     with AgentClient(base_url(server), key) as agent:
         assert agent.claim() is None
         sessions = server_sessions()

@@ -278,15 +278,21 @@ def test_inside_a_transaction_statements_take_the_cursor_path():
 def pooled():
     """Django's psycopg pool on the default alias, one session in it, so every wrapper
     that connects gets the same session: what a pool does to a site's requests."""
-    options = connection.settings_dict["OPTIONS"]
+    settings_dict = connection.settings_dict
+    options, max_age = settings_dict["OPTIONS"], settings_dict["CONN_MAX_AGE"]
     connection.close()
+    # Django's pool keeps the sessions itself and refuses persistent connections.
+    settings_dict["CONN_MAX_AGE"] = 0
     options["pool"] = {"min_size": 1, "max_size": 1, "timeout": 10}
     try:
         yield
     finally:
-        connection.close()
-        connection.close_pool()
-        del options["pool"]
+        try:
+            connection.close()
+            connection.close_pool()
+        finally:
+            del options["pool"]
+            settings_dict["CONN_MAX_AGE"] = max_age
 
 
 def in_another_thread(work):

@@ -20,6 +20,7 @@ from workflow_delivery.exceptions import (
     CommunityWriteFenced,
     IdempotencyConflict,
     ProtocolError,
+    TargetNotEnrolled,
 )
 from workflow_delivery.models import (
     Community,
@@ -50,6 +51,13 @@ def _counts() -> tuple[int, int, int, int]:
     )
 
 
+def _agents(owner: Community, count: int) -> list[bytes]:
+    """``count`` new keys enrolled as the community's agents (deliveries go only to those)."""
+    keys = [factories.key32() for _ in range(count)]
+    factories.enroll(owner, keys)
+    return keys
+
+
 def _send(owner: Community, targets: list[bytes], key: str = "order-1", **options) -> SentMessage:
     options.setdefault("content", "please review")
     return services.send_message(owner.id, targets=targets, idempotency_key=key, **options)
@@ -57,7 +65,7 @@ def _send(owner: Community, targets: list[bytes], key: str = "order-1", **option
 
 def test_one_call_stores_the_message_and_one_pending_delivery_per_target():
     owner = factories.community()
-    targets = [factories.key32() for _ in range(3)]
+    targets = _agents(owner, 3)
     sent = _send(owner, targets, tags=[["subject", "invoice 7"]])
     assert sent.created is True
     assert sent.step_id == "order-1"
@@ -93,7 +101,7 @@ def test_one_call_stores_the_message_and_one_pending_delivery_per_target():
 
 def test_the_message_is_found_by_its_run_tag():
     owner = factories.community()
-    sent = _send(owner, [factories.key32()])
+    sent = _send(owner, _agents(owner, 1))
     found = Event.objects.filter(
         community=owner, tags__contains=[["run", str(sent.run_id), sent.step_id]]
     )
@@ -102,7 +110,7 @@ def test_the_message_is_found_by_its_run_tag():
 
 def test_the_same_key_again_returns_the_same_deliveries_and_stores_nothing():
     owner = factories.community()
-    targets = [factories.key32(), factories.key32()]
+    targets = _agents(owner, 2)
     first = _send(owner, targets)
     again = _send(owner, list(reversed(targets)))
     assert again.created is False
@@ -113,7 +121,7 @@ def test_the_same_key_again_returns_the_same_deliveries_and_stores_nothing():
 
 def test_another_key_is_another_run_in_the_same_workflow():
     owner = factories.community()
-    target = factories.key32()
+    (target,) = _agents(owner, 1)
     first, second = _send(owner, [target], "a"), _send(owner, [target], "b")
     assert first.run_id != second.run_id
     assert first.deliveries[0].binding.workflow_id == second.deliveries[0].binding.workflow_id
@@ -132,11 +140,11 @@ def test_another_key_is_another_run_in_the_same_workflow():
 )
 def test_reusing_a_key_for_another_message_is_refused_and_changes_nothing(change, named):
     owner = factories.community()
-    target = factories.key32()
+    (target,) = _agents(owner, 1)
     first = _send(owner, [target])
     before = _counts()
     if change.get("targets") == "more":
-        change = {"targets": [target, factories.key32()]}
+        change = {"targets": [target, *_agents(owner, 1)]}
     options = {"targets": [target], **change}
     with pytest.raises(IdempotencyConflict, match=f"'order-1'.*{named}") as caught:
         _send(owner, key="order-1", **options)
@@ -181,7 +189,7 @@ def test_reusing_a_key_for_another_message_is_refused_and_changes_nothing(change
 def test_bad_input_names_the_field_and_stores_nothing(options, field):
     owner = factories.community()
     arguments = {
-        "targets": [factories.key32()],
+        "targets": _agents(owner, 1),
         "content": "hello",
         "idempotency_key": "order-1",
         **options,
@@ -200,11 +208,22 @@ def test_an_unknown_community_is_named():
     assert _counts() == (0, 0, 0, 0)
 
 
+def test_a_target_that_is_not_an_enrolled_agent_is_refused_and_nothing_is_kept():
+    owner = factories.community()
+    (agent,) = _agents(owner, 1)
+    stranger = factories.key32()
+    with pytest.raises(TargetNotEnrolled) as caught:
+        _send(owner, [agent, stranger])
+    assert caught.value.unknown == (stranger.hex(),)
+    # The message, its run and the workflow made for it go with the refused deliveries.
+    assert _counts() == (0, 0, 0, 0)
+
+
 def test_a_fenced_community_refuses_and_keeps_nothing():
     owner = factories.community()
     factories.move_to(owner.id, DeletionState.QUIESCING)
     with pytest.raises(CommunityWriteFenced):
-        _send(owner, [factories.key32()])
+        _send(owner, _agents(owner, 1))
     assert _counts() == (0, 0, 0, 0)
 
 
@@ -216,7 +235,7 @@ def test_a_failure_after_the_message_rolls_back_the_run_and_the_event(monkeypatc
 
     monkeypatch.setattr(services.StepIdentity, "commit", refuse)
     with pytest.raises(RuntimeError, match="refused"):
-        _send(owner, [factories.key32()])
+        _send(owner, _agents(owner, 1))
     assert _counts() == (0, 0, 0, 0)
 
 
@@ -224,7 +243,7 @@ def test_it_sends_in_an_existing_run_and_workflow_with_their_definition():
     step = factories.Step(targets=0)
     definition = factories.key32()
     WorkflowRun.objects.filter(pk=step.run.id).update(definition_event_id=definition)
-    target = factories.key32()
+    (target,) = _agents(step.community, 1)
     sent = services.send_message(
         step.community.id,
         targets=[target],
@@ -285,6 +304,7 @@ def test_each_target_claims_its_delivery_and_reads_the_message(settings):
     settings.ALLOWED_HOSTS = ["*"]
     owner = factories.community()
     secrets = [secret(), secret(), secret()]
+    factories.enroll(owner, [pubkey(key) for key in secrets])
     sent = _send(owner, [pubkey(key) for key in secrets])
     # In process, by the service.
     _, claimed = services.claim_delivery(owner.id, pubkey(secrets[0]))
@@ -311,7 +331,7 @@ def test_a_second_caller_waits_for_the_first_and_gets_its_deliveries():
     """Deterministic: the first caller's transaction holds the step's identity lock
     while the second calls; the second returns only once the first commits."""
     owner = factories.community()
-    targets = [factories.key32(), factories.key32()]
+    targets = _agents(owner, 2)
     first_sent, release = threading.Event(), threading.Event()
     results: dict[str, SentMessage] = {}
 
@@ -354,7 +374,7 @@ def test_a_second_caller_waits_for_the_first_and_gets_its_deliveries():
 @pytest.mark.django_db(transaction=True)
 def test_two_threads_racing_with_one_key_make_one_message():
     owner = factories.community()
-    targets = [factories.key32() for _ in range(3)]
+    targets = _agents(owner, 3)
     barrier = threading.Barrier(2, timeout=30)
     results: list[SentMessage] = []
 
@@ -380,13 +400,14 @@ def test_two_threads_racing_with_one_key_make_one_message():
 @pytest.mark.django_db(transaction=True)
 def test_first_sends_with_different_keys_racing_make_one_workflow():
     owner = factories.community()
+    agents = dict(zip(("a", "b"), _agents(owner, 2), strict=True))
     barrier = threading.Barrier(2, timeout=30)
     errors: list[BaseException] = []
 
     def race(key: str) -> None:
         try:
             barrier.wait()
-            _send(owner, [factories.key32()], key)
+            _send(owner, [agents[key]], key)
         except BaseException as exc:  # noqa: BLE001 - reported by the assertion below
             errors.append(exc)
         finally:
