@@ -1,6 +1,6 @@
-"""The sweeps the reaper and the prune command run: expired leases back to pending
-(or failed at the attempt cap) and settled deliveries deleted after their retention,
-each in bounded batches that rest between them."""
+"""The sweeps run by the reaper, the prune command and the admin's reap action:
+expired leases back to pending (or failed at the attempt cap), and settled deliveries
+deleted after their retention, each in bounded batches that rest between them."""
 
 from __future__ import annotations
 
