@@ -112,7 +112,7 @@ def test_the_reap_action_runs_a_bounded_set_of_batches_without_rests(
     def no_rest(seconds: float) -> None:
         pytest.fail("the reap action rested inside the request")
 
-    monkeypatch.setattr("workflow_delivery.services.time.sleep", no_rest)
+    monkeypatch.setattr("workflow_delivery.services.maintenance.time.sleep", no_rest)
     response = admin_client.post(
         changelist(WorkflowAgentDelivery),
         {"action": "reap_expired_leases", "_selected_action": [str(ids[0])], "index": 0},

@@ -617,7 +617,7 @@ def test_reap_rests_after_each_full_batch_in_proportion_to_it(raw, monkeypatch):
     expire(raw, *(held(step, target).delivery_id for target in step.targets))
     timings: list[float] = []
     rests: list[float] = []
-    monkeypatch.setattr(services.time, "sleep", rests.append)
+    monkeypatch.setattr(services.maintenance.time, "sleep", rests.append)
     reclaimed = services.reap_expired_deliveries(
         batch_size=2, yield_ratio=1.5, on_batch=lambda _, seconds: timings.append(seconds)
     )
@@ -631,7 +631,7 @@ def test_reap_with_yield_ratio_zero_never_rests(raw, monkeypatch):
     factories.committed(step)
     expire(raw, *(held(step, target).delivery_id for target in step.targets))
     rests: list[float] = []
-    monkeypatch.setattr(services.time, "sleep", rests.append)
+    monkeypatch.setattr(services.maintenance.time, "sleep", rests.append)
     assert services.reap_expired_deliveries(batch_size=2, yield_ratio=0) == 4
     assert rests == []
 

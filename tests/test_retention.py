@@ -121,7 +121,7 @@ def test_pruning_rests_by_its_own_setting_not_the_reapers(settings, monkeypatch)
     settings.WORKFLOW_DELIVERY_PRUNE_YIELD_RATIO = 0.5
     timings: list[float] = []
     rests: list[float] = []
-    monkeypatch.setattr(services.time, "sleep", rests.append)
+    monkeypatch.setattr(services.maintenance.time, "sleep", rests.append)
     pruned = services.prune_deliveries(
         older_than="1d", batch_size=2, on_batch=lambda _, seconds: timings.append(seconds)
     )

@@ -57,6 +57,7 @@ from .protocol import (
     as_bytes32,
     as_uuid,
 )
+from .services.holder import _lease_seconds
 from .wakeups import WakeListener
 from .wakeups import available as wakeups_available
 
@@ -286,7 +287,7 @@ class Consumer:
             raise ProtocolError("handler", "must be callable")
         self.handler = handler
         # The same rule a claim applies, checked here rather than on the first claim.
-        self.lease_seconds = services._lease_seconds(lease_seconds)
+        self.lease_seconds = _lease_seconds(lease_seconds)
         if not (is_whole_number(concurrency) and concurrency > 0):
             raise ProtocolError("concurrency", f"must be a positive whole number: {concurrency!r}")
         self.concurrency = concurrency

@@ -21,10 +21,11 @@ from uuid import UUID
 
 from django.db import DEFAULT_DB_ALIAS
 
-from . import db, services, sql
+from . import db, sql
 from .exceptions import AgentNotEnrolled, ProtocolError
 from .models import AGENT_LABEL_MAX_LENGTH
 from .protocol import Revocation, RosterEntry, as_bytes32, as_uuid
+from .services._common import _operator, _transaction_as
 
 __all__ = ["enroll_agent", "enroll_agents", "reinstate_agent", "revoke_agent"]
 
@@ -111,10 +112,10 @@ def revoke_agent(
     the roster raises ``AgentNotEnrolled``; a community that is not active,
     ``CommunityWriteFenced``; nothing is changed by either."""
     community_id, pubkey = _scope(community_id, pubkey)
-    actor = "operator" if operator is None else f"operator:{services._operator(operator)}"
+    actor = "operator" if operator is None else f"operator:{_operator(operator)}"
     # One transaction: the roster lock is held until the revocation and the release
     # of the key's leases commit together.
-    with services._transaction_as(actor, using) as cursor:
+    with _transaction_as(actor, using) as cursor:
         cursor.execute(sql.LOCK_ROSTER_EXCLUSIVE, [community_id, community_id])
         cursor.execute(sql.REVOKE_AGENT, [community_id, pubkey])
         row = cursor.fetchone()

@@ -393,7 +393,9 @@ def send_message(
     instead of ``content``. The deliveries' ``definition_event_id`` is the given one,
     else the run's, else the workflow's, else the message's own id; their ``cause`` is
     the given one, else the message event (``EventCause``)."""
-    from .services import delivery_identity  # services re-exports this function
+    # Imported on call: the services package imports this module to re-export
+    # send_message, so a top-level import would be circular.
+    from .services.producer import delivery_identity
 
     community_id = as_uuid("community_id", community_id)
     key = _key(idempotency_key)

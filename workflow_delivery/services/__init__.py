@@ -1,0 +1,72 @@
+"""Every state change of a delivery, one module per audience:
+
+- ``producer``: commit a step's deliveries under its identity lock (``send_message``,
+  the one-call producer, lives in ``sending``);
+- ``holder``: what an agent does with a delivery: claim, renew, finish, retry, give
+  back, hold its row for fenced effects, wait idle, read it;
+- ``maintenance``: the reaper's and the prune command's sweeps;
+- ``operator``: the admin's bulk release and fail;
+- ``replay``: the signed API's request admission and replay guard.
+
+Import the functions from here. They own their transaction (or join the caller's),
+take the database clock for every time, and return frozen values from ``protocol``.
+Expected outcomes (a miss, a lost lease) are values; database rule violations become
+named exceptions.
+"""
+
+from ..sending import send_message
+from .holder import (
+    MAX_BATCH_SIZE,
+    Held,
+    claim_deliveries,
+    claim_delivery,
+    finish_deliveries,
+    finish_delivery,
+    get_delivery,
+    holding,
+    message_events,
+    register_idle,
+    release_lease,
+    renew_delivery,
+    retry_delivery,
+)
+from .maintenance import (
+    count_prunable,
+    prune_cutoff,
+    prune_deliveries,
+    reap_deliveries,
+    reap_expired_deliveries,
+)
+from .operator import fail_deliveries, release_deliveries
+from .producer import StepIdentity, commit_deliveries, delivery_identity
+from .replay import admit_request_event, prune_replay_guard, record_request_event
+
+__all__ = [
+    "MAX_BATCH_SIZE",
+    "Held",
+    "StepIdentity",
+    "admit_request_event",
+    "claim_deliveries",
+    "claim_delivery",
+    "commit_deliveries",
+    "count_prunable",
+    "delivery_identity",
+    "fail_deliveries",
+    "finish_deliveries",
+    "finish_delivery",
+    "get_delivery",
+    "holding",
+    "message_events",
+    "prune_cutoff",
+    "prune_deliveries",
+    "prune_replay_guard",
+    "reap_deliveries",
+    "reap_expired_deliveries",
+    "record_request_event",
+    "register_idle",
+    "release_deliveries",
+    "release_lease",
+    "renew_delivery",
+    "retry_delivery",
+    "send_message",
+]

@@ -1,0 +1,476 @@
+"""The agent's side of a delivery: claim it under a lease (one or a batch), renew,
+finish, retry or give it back, hold its row for lease-fenced effects, register as
+idle when nothing is left to claim, and read a delivery's record and message.
+
+Claim, renew and finish are the hot path."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from uuid import UUID
+
+from django.db import DEFAULT_DB_ALIAS, transaction
+
+from .. import counters, db, sql
+from ..conf import LEASE_SECONDS_BOUND, app_settings, is_delay_seconds, is_whole_number
+from ..exceptions import (
+    InvalidLeaseSeconds,
+    LeaseLostError,
+    ProtocolError,
+    WorkflowDeliveryConfigurationError,
+)
+from ..models import WorkflowAgentDelivery
+from ..protocol import (
+    AlreadyTerminal,
+    DeliveryBinding,
+    DeliveryRecord,
+    DeliveryStatus,
+    Exhausted,
+    Lease,
+    LeaseLost,
+    MessageEvent,
+    Outcome,
+    Renewed,
+    Retried,
+    Settled,
+    as_bytes32,
+    as_uuid,
+    error_report,
+    stored_lease,
+)
+from ._common import _max_attempts
+
+# The most leases one claim_deliveries or finish_deliveries call handles: a bound on
+# the row locks one statement takes and on the size of its array parameters.
+MAX_BATCH_SIZE = 1000
+
+
+def _lease_seconds(value: object) -> int:
+    # Bounded whatever the setting says (the system check reports a larger one), so a
+    # lease end can never overflow the database's timestamp range.
+    maximum = min(app_settings.MAX_LEASE_SECONDS, LEASE_SECONDS_BOUND)
+    if value is None:
+        value = app_settings.DEFAULT_LEASE_SECONDS
+    if not is_whole_number(value):
+        raise InvalidLeaseSeconds("lease_seconds", f"must be a whole number, not {value!r}")
+    if not 0 < value <= maximum:
+        raise InvalidLeaseSeconds("lease_seconds", f"must be between 1 and {maximum}, not {value}")
+    return value
+
+
+def _lease_params(lease: object) -> list[object]:
+    if not isinstance(lease, Lease):
+        raise ProtocolError("lease", f"must be a Lease, not {type(lease).__name__}")
+    return [lease.community_id, lease.delivery_id, lease.target_pubkey, lease.generation]
+
+
+def _outcome(value: object) -> Outcome:
+    try:
+        return Outcome(value)
+    except ValueError:
+        raise ProtocolError("outcome", f"must be finished or failed, not {value!r}") from None
+
+
+def _claim_filters(
+    community_id: UUID,
+    target_pubkey: bytes,
+    delivery_id: UUID | None,
+    expected: DeliveryBinding | None,
+) -> dict[str, object]:
+    filters: dict[str, object] = {
+        "community_id": community_id,
+        "target_pubkey": target_pubkey,
+    }
+    if delivery_id is not None:
+        filters["id"] = delivery_id
+    if expected is not None:
+        filters.update(
+            workflow_id=expected.workflow_id,
+            run_id=expected.run_id,
+            step_id=expected.step_id,
+            definition_event_id=expected.definition_event_id,
+            message_event_id=expected.message_event_id,
+            cause_kind=expected.cause.kind.value,
+        )
+        _, event_id, scheduled_for, invocation_id = db.cause_columns(expected)
+        if event_id is not None:
+            filters["cause_event_id"] = event_id
+        elif scheduled_for is not None:
+            filters["cause_scheduled_for"] = scheduled_for
+        else:
+            filters["cause_webhook_invocation_id"] = invocation_id
+    return filters
+
+
+def claim_delivery(
+    community_id: UUID | str,
+    target_pubkey: bytes,
+    *,
+    delivery_id: UUID | str | None = None,
+    expected: DeliveryBinding | None = None,
+    lease_seconds: int | None = None,
+    using: str = DEFAULT_DB_ALIAS,
+) -> tuple[Lease, DeliveryRecord] | None:
+    """Claim the target's oldest pending delivery in the community (or exactly
+    ``delivery_id``, or only one matching ``expected`` in every field). A miss is None."""
+    community_id = as_uuid("community_id", community_id)
+    target_pubkey = as_bytes32("target_pubkey", target_pubkey)
+    seconds = _lease_seconds(lease_seconds)
+    if delivery_id is not None:
+        delivery_id = as_uuid("delivery_id", delivery_id)
+    if expected is not None:
+        if not isinstance(expected, DeliveryBinding):
+            raise ProtocolError("expected", "must be a DeliveryBinding")
+        if expected.community_id != community_id or expected.target_pubkey != target_pubkey:
+            return None
+    filters = _claim_filters(community_id, target_pubkey, delivery_id, expected)
+    statement, params = db.claim_statement(filters, using)
+    # One statement: the locking SELECT and the UPDATE share one transaction (the
+    # statement's own in autocommit, or the caller's), so the row lock lasts exactly
+    # as long as needed.
+    rows = db.fetch(using, statement, [*params, seconds])
+    if not rows:
+        return None
+    counters.CLAIMS.inc()
+    record = db.record(rows[0])
+    return stored_lease(community_id, target_pubkey, record), record
+
+
+def claim_deliveries(
+    community_id: UUID | str,
+    target_pubkey: bytes,
+    *,
+    limit: int,
+    lease_seconds: int | None = None,
+    using: str = DEFAULT_DB_ALIAS,
+) -> list[tuple[Lease, DeliveryRecord]]:
+    """Claim up to ``limit`` (1 to ``MAX_BATCH_SIZE``) of the target's oldest pending
+    deliveries in the community, each under its own lease; oldest first, [] on a miss."""
+    community_id = as_uuid("community_id", community_id)
+    target_pubkey = as_bytes32("target_pubkey", target_pubkey)
+    if not is_whole_number(limit) or not 1 <= limit <= MAX_BATCH_SIZE:
+        raise ProtocolError(
+            "limit", f"must be a whole number from 1 to {MAX_BATCH_SIZE}, not {limit!r}"
+        )
+    seconds = _lease_seconds(lease_seconds)
+    # One statement: the locking SELECT and the UPDATE share its transaction, so the
+    # row locks last exactly as long as needed (or the caller's transaction).
+    rows = db.fetch(using, sql.CLAIM_BATCH, [community_id, target_pubkey, limit, seconds])
+    records = [db.record(row) for row in rows]
+    # UPDATE … RETURNING has no order of its own; hand the rows out as picked.
+    records.sort(key=lambda record: (record.created_at, record.id))
+    counters.CLAIMS.inc(len(records))
+    return [(stored_lease(community_id, target_pubkey, record), record) for record in records]
+
+
+def renew_delivery(
+    lease: Lease, *, lease_seconds: int | None = None, using: str = DEFAULT_DB_ALIAS
+) -> Renewed | LeaseLost:
+    """Extend a live lease to now() + lease_seconds; an expired, reaped or superseded
+    lease is lost and cannot revive itself."""
+    params = _lease_params(lease)
+    seconds = _lease_seconds(lease_seconds)
+    rows = db.fetch(using, sql.RENEW, [seconds, *params])
+    if not rows:
+        counters.LEASES_LOST.inc()
+        return LeaseLost()
+    return Renewed(lease_until=rows[0][0])
+
+
+def finish_delivery(
+    lease: Lease,
+    outcome: Outcome | str,
+    *,
+    error: str | BaseException | None = None,
+    using: str = DEFAULT_DB_ALIAS,
+) -> Settled | AlreadyTerminal | LeaseLost:
+    """Settle the delivery once. A retry by the same capability after a settle
+    reports the recorded status; anyone else gets LeaseLost.
+
+    ``error`` (only with ``failed``) is kept as the delivery's last error, as
+    ``retry_delivery`` keeps it, and the timeline's ``failed`` entry carries it with
+    its traceback: a failure for good, never retried."""
+    params = _lease_params(lease)
+    outcome = _outcome(outcome)
+    if error is not None:
+        if outcome is not Outcome.FAILED:
+            raise ProtocolError("error", "only a failed outcome records an error")
+        report = error_report(error)
+        statement = sql.FAIL_WITH_ERROR
+        values = [report.traceback or "", report.type, report.message, *params]
+    else:
+        statement, values = sql.FINISH, [outcome.value, *params]
+    if db.fetch(using, statement, values):
+        counters.SETTLED[outcome.value].inc()
+        return Settled(outcome=outcome)
+    # Nothing settled: look at the row by the caller's full capability (same
+    # generation), in a fresh statement so a concurrent settle is visible.
+    rows = db.fetch(using, sql.STATUS_BY_CAPABILITY, params)
+    if rows and DeliveryStatus(rows[0][0]).is_terminal:
+        return AlreadyTerminal(status=DeliveryStatus(rows[0][0]))
+    counters.LEASES_LOST.inc()
+    return LeaseLost()
+
+
+def finish_deliveries(
+    settlements: Iterable[tuple[Lease, Outcome | str]], *, using: str = DEFAULT_DB_ALIAS
+) -> list[Settled | AlreadyTerminal | LeaseLost]:
+    """Settle many leases in one statement; one result per input pair, in input order,
+    each what ``finish_delivery`` would have returned for that pair called in turn.
+
+    A capability repeated in the input is settled once, by its first occurrence (and
+    its outcome); a later repeat reports the recorded status, as a retry would."""
+    if isinstance(settlements, str | bytes) or not isinstance(settlements, Iterable):
+        raise ProtocolError("settlements", "must be a list of (lease, outcome) pairs")
+    pairs = list(settlements)
+    if len(pairs) > MAX_BATCH_SIZE:
+        raise ProtocolError(
+            "settlements", f"at most {MAX_BATCH_SIZE} leases per call, not {len(pairs)}"
+        )
+    first_of: dict[tuple, int] = {}
+    slots: list[int] = []
+    columns: list[list[object]] = [[], [], [], [], []]
+    for pair in pairs:
+        if not isinstance(pair, tuple) or len(pair) != 2:
+            raise ProtocolError("settlements", "each item must be a (lease, outcome) pair")
+        params = _lease_params(pair[0])
+        outcome = _outcome(pair[1])
+        key = tuple(params)
+        if key not in first_of:
+            first_of[key] = len(columns[0])
+            for column, value in zip(columns, [*params, outcome.value], strict=True):
+                column.append(value)
+        slots.append(first_of[key])
+    if not pairs:
+        return []
+    rows = db.fetch(using, sql.FINISH_BATCH, columns)
+    distinct: list[Settled | AlreadyTerminal | LeaseLost] = [LeaseLost()] * len(columns[0])
+    for n, settled, status in rows:
+        if settled:
+            distinct[n - 1] = Settled(outcome=Outcome(columns[4][n - 1]))
+            counters.SETTLED[columns[4][n - 1]].inc()
+        elif status is not None and DeliveryStatus(status).is_terminal:
+            distinct[n - 1] = AlreadyTerminal(status=DeliveryStatus(status))
+    counters.LEASES_LOST.inc(sum(isinstance(result, LeaseLost) for result in distinct))
+    results: list[Settled | AlreadyTerminal | LeaseLost] = []
+    reported: set[int] = set()
+    for slot in slots:
+        result = distinct[slot]
+        if slot in reported and isinstance(result, Settled):
+            # The repeat of a capability that just settled: what a retry would see.
+            result = AlreadyTerminal(status=DeliveryStatus(result.outcome.value))
+        reported.add(slot)
+        results.append(result)
+    return results
+
+
+def _backoff_setting(name: str) -> float:
+    value = getattr(app_settings, name)
+    if not is_delay_seconds(value):
+        raise WorkflowDeliveryConfigurationError(
+            f"WORKFLOW_DELIVERY_{name} must be a number of seconds from 0 to "
+            f"{LEASE_SECONDS_BOUND}, not {value!r}"
+        )
+    return float(value)
+
+
+def retry_delivery(
+    lease: Lease,
+    *,
+    error: str | BaseException,
+    delay_seconds: float | None = None,
+    using: str = DEFAULT_DB_ALIAS,
+) -> Retried | Exhausted | LeaseLost:
+    """Give a live lease back after a failed attempt, in one statement: the delivery
+    returns to pending with its fence bumped (the lease is dead), keeps ``error`` as
+    its last error (an exception's type and message, or a string; the traceback goes
+    to its timeline entry, ``retried``), and no claim takes it before
+    ``Retried.available_at``, ``delay_seconds`` from now by the database clock.
+
+    Without ``delay_seconds`` the wait grows with the attempts used:
+    min(``WORKFLOW_DELIVERY_RETRY_BACKOFF_MAX_SECONDS``,
+    ``WORKFLOW_DELIVERY_RETRY_BACKOFF_SECONDS`` * 2^(attempts - 1)), times a random
+    factor from 0.5 to 1. A delivery that has used ``WORKFLOW_DELIVERY_MAX_ATTEMPTS``
+    claims is settled ``failed`` instead (``Exhausted``; its timeline entry is
+    ``attempts_exhausted``), as the reaper settles such a lease. A lease that is no
+    longer live changes nothing (``LeaseLost``).
+
+    Only a live lease is retried: a settled delivery never reopens. To try a failed
+    delivery again, commit a new delivery for the same message under a new step id."""
+    params = _lease_params(lease)
+    report = error_report(error)
+    if delay_seconds is not None and not is_delay_seconds(delay_seconds):
+        raise ProtocolError(
+            "delay_seconds",
+            f"must be a number of seconds from 0 to {LEASE_SECONDS_BOUND}, not {delay_seconds!r}",
+        )
+    base = _backoff_setting("RETRY_BACKOFF_SECONDS")
+    most = _backoff_setting("RETRY_BACKOFF_MAX_SECONDS")
+    delay = None if delay_seconds is None else float(delay_seconds)
+    values = [report.traceback or "", report.type, report.message]
+    values += [_max_attempts(), delay, base, most, *params]
+    rows = db.fetch(using, sql.RETRY, values)
+    if not rows:
+        counters.LEASES_LOST.inc()
+        return LeaseLost()
+    status, available_at, attempts = rows[0]
+    if status == DeliveryStatus.FAILED:
+        counters.SETTLED[Outcome.FAILED.value].inc()
+        return Exhausted(attempts=attempts)
+    return Retried(available_at=available_at, attempts=attempts)
+
+
+def release_lease(lease: Lease, *, using: str = DEFAULT_DB_ALIAS) -> bool:
+    """The holder gives its live lease back: the delivery returns to pending with the
+    fence bumped. False (nothing changed) when the lease was no longer live."""
+    return bool(db.fetch(using, sql.RELEASE_LEASE, _lease_params(lease)))
+
+
+class Held:
+    """The row lock of a live lease inside ``holding()``; ``finish`` settles there."""
+
+    def __init__(self, lease: Lease, using: str) -> None:
+        self.lease = lease
+        self.settled: Settled | None = None
+        self.refused = False
+        self._using = using
+
+    def __repr__(self) -> str:
+        return f"Held(delivery_id={self.lease.delivery_id}, settled={self.settled})"
+
+    def finish(self, outcome: Outcome | str) -> Settled:
+        """Settle the delivery in the block's transaction: it commits with the block's
+        other writes. Raises ``LeaseLostError`` if the lease ran out during the block
+        (the block then rolls back, even if the caller catches it)."""
+        outcome = _outcome(outcome)
+        if self.settled is not None:
+            raise ProtocolError("outcome", "this block has already settled its delivery")
+        with db.cursor(self._using, savepoint=False) as cursor:
+            cursor.execute(sql.HELD_FINISH, [outcome.value, *_lease_params(self.lease)])
+            settled = cursor.fetchone() is not None
+        if not settled:
+            self.refused = True
+            counters.LEASES_LOST.inc()
+            raise LeaseLostError(self.lease, "the lease ran out inside the holding() block")
+        # Counted once the block's transaction commits: until then it may roll back.
+        transaction.on_commit(counters.SETTLED[outcome.value].inc, using=self._using)
+        self.settled = Settled(outcome=outcome)
+        return self.settled
+
+
+@contextmanager
+def holding(lease: Lease, *, using: str = DEFAULT_DB_ALIAS) -> Iterator[Held]:
+    """Lease-fenced effects: a transaction that holds the delivery's row while the
+    lease is live. The caller's writes in the block, and ``held.finish(outcome)``,
+    commit together, or not at all.
+
+    Entry locks the row (``FOR UPDATE``, waiting behind a brief locker such as a renew
+    or the reaper) only while the lease is live, then asks again on its own clock:
+    a lease reaped, released, superseded or settled before the block, or one that ran
+    out while the block waited for the row, raises ``LeaseLostError``. While the block
+    holds the row the reaper skips it and no newer holder can exist. A block that does
+    not finish asks once more before it commits and rolls back (``LeaseLostError``)
+    if the lease ran out inside it. So effects written inside ``holding()`` commit
+    only under the live lease, and a block that finishes the delivery is the last any
+    holder can commit: an effect written in that block happens exactly once.
+
+    Entry takes the community's shared deletion lock before the row, as every
+    writer does, and holds it to the end: a deletion of the community (a lifecycle
+    move, a purge) waits for the block, and the block waits for one in progress.
+
+    The row lock also holds back the holder's own heartbeat (``renew_delivery`` waits
+    for it), so renew just before entering and keep the block well inside the lease.
+    Nested in a caller's transaction, the block is a savepoint and the row stays
+    locked until that transaction ends.
+    """
+    params = _lease_params(lease)
+    with transaction.atomic(using=using):
+        # Lock, then re-check: the locking statement's WHERE is re-read after a wait
+        # but against the clock of its start, so expiry during the wait shows only
+        # to a second statement. Both run in this block's transaction.
+        with db.cursor(using, savepoint=False) as cursor:
+            cursor.execute(sql.HOLD_LOCK, params)
+            locked = cursor.fetchone() is not None
+            if locked:
+                cursor.execute(sql.HELD_LIVE, params)
+                locked = cursor.fetchone() is not None
+        if not locked:
+            counters.LEASES_LOST.inc()
+            raise LeaseLostError(lease)
+        held = Held(lease, using)
+        yield held
+        if held.refused:
+            raise LeaseLostError(lease, "the lease ran out inside the holding() block")
+        if held.settled is None:
+            # The row is still ours, so this answer holds until the commit.
+            with db.cursor(using, savepoint=False) as cursor:
+                cursor.execute(sql.HELD_LIVE, params)
+                live = cursor.fetchone() is not None
+            if not live:
+                counters.LEASES_LOST.inc()
+                raise LeaseLostError(lease, "the lease ran out inside the holding() block")
+
+
+def register_idle(
+    community_id: UUID | str, targets: Iterable[bytes], *, using: str = DEFAULT_DB_ALIAS
+) -> None:
+    """Record that a consumer of ``targets`` found nothing to claim and is waiting for
+    a wake-up: the next producer commit to one of them notifies (once) and consumes
+    the registration. Call it only once the caller LISTENs, then poll once more
+    before waiting: a delivery committed before the registration is found by that
+    poll, one committed after it sends the wake. Commits on its own unless the
+    caller's transaction is open."""
+    community_id = as_uuid("community_id", community_id)
+    if isinstance(targets, bytes | bytearray | str):
+        raise ProtocolError("targets", "must be a list of 32-byte public keys")
+    keys = sorted({as_bytes32("targets", target) for target in targets})
+    if not keys:
+        return
+    with db.cursor(using) as cursor:
+        cursor.execute(sql.REGISTER_IDLE, [community_id, keys])
+
+
+def get_delivery(
+    community_id: UUID | str, delivery_id: UUID | str, *, using: str = DEFAULT_DB_ALIAS
+) -> DeliveryRecord | None:
+    """The delivery's record within its community, or None."""
+    community_id = as_uuid("community_id", community_id)
+    delivery_id = as_uuid("delivery_id", delivery_id)
+    row = (
+        WorkflowAgentDelivery.objects.using(using)
+        .filter(community_id=community_id, id=delivery_id)
+        .values_list(*sql.RECORD_COLUMNS)
+        .first()
+    )
+    return db.record(row) if row is not None else None
+
+
+def message_events(
+    community_id: UUID | str, records: Iterable[DeliveryRecord], *, using: str = DEFAULT_DB_ALIAS
+) -> dict[UUID, MessageEvent]:
+    """The message event of each record (by delivery id), read in one query."""
+    community_id = as_uuid("community_id", community_id)
+    wanted = {
+        (record.message_event_created_at, record.binding.message_event_id): record.id
+        for record in records
+    }
+    if not wanted:
+        return {}
+    ids = [event_id for _, event_id in wanted]
+    # A read: in the API's request transaction it needs no savepoint of its own.
+    rows = db.fetch(using, sql.MESSAGE_EVENTS, [community_id, ids], savepoint=False)
+    found: dict[UUID, MessageEvent] = {}
+    for event_id, created_at, pubkey, kind, tags, content in rows:
+        delivery_id = wanted.get((created_at, bytes(event_id)))
+        if delivery_id is not None:
+            found[delivery_id] = MessageEvent(
+                id=bytes(event_id),
+                pubkey=bytes(pubkey),
+                created_at=created_at,
+                kind=kind,
+                tags=json.loads(tags),
+                content=content,
+            )
+    return found

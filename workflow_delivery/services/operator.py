@@ -1,0 +1,56 @@
+"""The operator's actions on deliveries (the admin's release and fail): bulk updates
+in one community, recorded on the timeline as done by the named operator."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from uuid import UUID
+
+from django.db import DEFAULT_DB_ALIAS
+
+from .. import sql
+from ..protocol import as_uuid
+from ._common import _operator, _transaction_as
+
+
+def _operator_update(
+    statement: str,
+    community_id: UUID | str,
+    delivery_ids: Iterable[UUID | str],
+    operator: str | None,
+    using: str,
+) -> list[UUID]:
+    community_id = as_uuid("community_id", community_id)
+    ids = [as_uuid("delivery_id", value) for value in delivery_ids]
+    actor = "operator" if operator is None else f"operator:{_operator(operator)}"
+    if not ids:
+        return []
+    # One transaction holds the actor setting and the update it names.
+    with _transaction_as(actor, using) as cursor:
+        cursor.execute(statement, [community_id, community_id, community_id, ids])
+        return [row[0] for row in cursor.fetchall()]
+
+
+def release_deliveries(
+    community_id: UUID | str,
+    delivery_ids: Iterable[UUID | str],
+    *,
+    operator: str | None = None,
+    using: str = DEFAULT_DB_ALIAS,
+) -> list[UUID]:
+    """Operator release: claimed rows of an active community go back to pending with
+    the fence bumped, so their live holders are fenced out. Returns the ids released.
+    The timeline records the actor as ``operator:<operator>``."""
+    return _operator_update(sql.RELEASE, community_id, delivery_ids, operator, using)
+
+
+def fail_deliveries(
+    community_id: UUID | str,
+    delivery_ids: Iterable[UUID | str],
+    *,
+    operator: str | None = None,
+    using: str = DEFAULT_DB_ALIAS,
+) -> list[UUID]:
+    """Operator terminal: pending or claimed rows of an active community become
+    ``failed``. Returns the ids marked. The timeline records ``operator:<operator>``."""
+    return _operator_update(sql.MARK_FAILED, community_id, delivery_ids, operator, using)

@@ -1,0 +1,102 @@
+"""The signed HTTP API's request guard: admit a request event (the host's community,
+the caller's standing in its roster, the freshness window) and record it once, so a
+replayed request is refused; and the prune of guard rows past the window."""
+
+from __future__ import annotations
+
+from uuid import UUID
+
+from django.db import DEFAULT_DB_ALIAS
+
+from .. import db, sql
+from ..conf import app_settings, is_whole_number
+from ..exceptions import CommunityWriteFenced, ProtocolError
+from ..protocol import AgentStanding, RequestAdmission, as_bytes32, as_uuid
+
+
+def record_request_event(
+    community_id: UUID | str,
+    event_id: bytes,
+    created_at: int,
+    *,
+    using: str = DEFAULT_DB_ALIAS,
+) -> tuple[bool, bool]:
+    """The agent API's freshness check and replay guard for one signed request event,
+    by the database clock: ``(fresh, recorded)``. A fresh event is recorded once,
+    whatever the community; ``recorded`` is False when the same event was already
+    accepted, even by another process at the same instant or for another community.
+    A fenced community raises ``CommunityWriteFenced`` (the guard is a tenant table
+    behind the write fence)."""
+    community_id = as_uuid("community_id", community_id)
+    event_id, created_at = _request_event(event_id, created_at)
+    skew = app_settings.API_MAX_CLOCK_SKEW_SECONDS
+    params = [created_at, skew, community_id, event_id, created_at]
+    ((fresh, recorded),) = db.fetch(using, sql.ACCEPT_REQUEST_EVENT, params)
+    return bool(fresh), bool(recorded)
+
+
+def _request_event(event_id: bytes, created_at: int) -> tuple[bytes, int]:
+    event_id = as_bytes32("event_id", event_id)
+    if not is_whole_number(created_at) or not 0 <= created_at < 2**40:
+        raise ProtocolError("created_at", f"must be a whole number of seconds, not {created_at!r}")
+    return event_id, created_at
+
+
+def admit_request_event(
+    host: str,
+    event_id: bytes,
+    created_at: int,
+    *,
+    pubkey: bytes,
+    using: str = DEFAULT_DB_ALIAS,
+) -> RequestAdmission:
+    """The agent API's look-up of the community served at ``host`` (any case) and of
+    where ``pubkey`` stands in its agent roster, with the freshness check and the
+    replay guard of ``record_request_event``, in one statement. Only an enabled
+    agent's event is recorded. In the caller's transaction the replay row commits or
+    rolls back with the caller's work, and the roster's shared lock is held until
+    then (a revocation of the key waits for the request); an unknown host records
+    nothing."""
+    if not isinstance(host, str) or not host:
+        raise ProtocolError("host", f"must be a host name, not {host!r}")
+    event_id, created_at = _request_event(event_id, created_at)
+    pubkey = as_bytes32("pubkey", pubkey)
+    skew = app_settings.API_MAX_CLOCK_SKEW_SECONDS
+    params = [created_at, skew, host, pubkey, event_id, created_at]
+    ((community_id, fresh, recorded, standing),) = db.fetch(
+        using, sql.ADMIT_REQUEST_EVENT, params, savepoint=False
+    )
+    return RequestAdmission(
+        community_id=community_id,
+        fresh=bool(fresh),
+        recorded=bool(recorded),
+        standing=None if standing is None else AgentStanding(standing),
+    )
+
+
+def prune_replay_guard(
+    *, batch_size: int = 1000, max_batches: int | None = None, using: str = DEFAULT_DB_ALIAS
+) -> int:
+    """Delete the replay-guard rows whose events can no longer pass the freshness
+    window (kept one extra window, so a request checked just before a prune cannot
+    slip past its twin), in bounded batches; returns how many were deleted. A
+    community being deleted is skipped, not waited for."""
+    if not (is_whole_number(batch_size) and batch_size >= 1):
+        raise ProtocolError("batch_size", f"must be a positive whole number, not {batch_size!r}")
+    horizon = 2 * app_settings.API_MAX_CLOCK_SKEW_SECONDS
+    total, batches = 0, 0
+    while max_batches is None or batches < max_batches:
+        # Each batch is its own short transaction (unless the caller holds one).
+        try:
+            with db.cursor(using) as cursor:
+                cursor.execute(sql.PRUNE_REPLAYS_BATCH, [horizon, batch_size])
+                count = cursor.rowcount
+        except CommunityWriteFenced:
+            # A tenant was fenced between our look at it and the delete; the next
+            # sweep skips it.
+            return total
+        total += count
+        batches += 1
+        if count < batch_size:
+            break
+    return total
