@@ -21,7 +21,7 @@ from django.db import DatabaseError, OperationalError, connection, transaction
 
 from tests import factories
 from workflow_delivery import checks, errors, fence, services
-from workflow_delivery.conf import LEASE_SECONDS_BOUND
+from workflow_delivery.commandline import StopRequest
 from workflow_delivery.exceptions import (
     CommunityWriteFenced,
     DeliveryTimeout,
@@ -35,7 +35,8 @@ from workflow_delivery.exceptions import (
 )
 from workflow_delivery.models import Community, Workflow, WorkflowAgentDelivery
 from workflow_delivery.protocol import Lease, LeaseLost, NewDelivery, Outcome, Renewed
-from workflow_delivery.runner import Reaper, StopRequest
+from workflow_delivery.reaper import Reaper
+from workflow_delivery.validation import LEASE_SECONDS_BOUND
 
 # A statement that waits on a lock it should have skipped fails within this instead
 # of hanging the suite; a wait we expect to see shows well within it.

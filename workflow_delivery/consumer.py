@@ -42,7 +42,7 @@ from uuid import UUID
 from django.db import DEFAULT_DB_ALIAS, InterfaceError, OperationalError, connections, transaction
 
 from . import services
-from .conf import app_settings, is_number, is_whole_number
+from .conf import app_settings
 from .exceptions import DeliveryTimeout, LeaseLostError, ProtocolError, WorkflowDeliveryError
 from .protocol import (
     AlreadyTerminal,
@@ -57,6 +57,7 @@ from .protocol import (
     as_bytes32,
     as_uuid,
 )
+from .validation import is_number, is_whole_number
 from .wakeups import WakeListener
 from .wakeups import available as wakeups_available
 
@@ -351,7 +352,7 @@ class Consumer:
 
     def run(self, stop: Callable[[], bool] | None = None) -> ConsumerStats:
         """Run until stopped (``stop()``, ``stop`` returning true, e.g. a
-        ``runner.StopRequest``) or ``max_deliveries`` are handled."""
+        ``commandline.StopRequest``) or ``max_deliveries`` are handled."""
         heartbeat = _Heartbeat(self)
         self._heartbeat = heartbeat
         heartbeat.start()

@@ -21,14 +21,7 @@ from uuid import UUID
 from django.db import DEFAULT_DB_ALIAS, DatabaseError, connections, transaction
 
 from . import counters, db, sql
-from .conf import (
-    LEASE_SECONDS_BOUND,
-    app_settings,
-    is_delay_seconds,
-    is_whole_number,
-    is_yield_ratio,
-    parse_duration,
-)
+from .conf import app_settings
 from .exceptions import (
     BindingScopeError,
     CommunityWriteFenced,
@@ -62,6 +55,13 @@ from .protocol import (
     as_uuid,
     error_report,
     stored_lease,
+)
+from .validation import (
+    LEASE_SECONDS_BOUND,
+    is_delay_seconds,
+    is_whole_number,
+    is_yield_ratio,
+    parse_duration,
 )
 
 logger = logging.getLogger(__name__)

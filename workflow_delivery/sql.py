@@ -18,7 +18,6 @@ from django.db import Error as DatabaseError
 from django.db import connection
 
 from . import errors
-from .conf import is_whole_number
 from .counters import FENCE_REFUSALS
 from .exceptions import (
     CommunityNotFound,
@@ -43,6 +42,7 @@ from .models import (
     WorkflowAgentDelivery,
     WorkflowRun,
 )
+from .validation import is_whole_number
 from .wakeups import WAKE_CHANNEL
 
 _q = quote_name = connection.ops.quote_name
