@@ -23,7 +23,7 @@ from django.db import DatabaseError, connection, transaction
 from tests import factories
 from tests.test_concurrency import scalar, wait_until_blocked
 from workflow_delivery import fence, services, sql
-from workflow_delivery.exceptions import CommunityWriteFenced, LeaseLostError, PurgeDeadlocked
+from workflow_delivery.exceptions import CommunityWriteFenced, LeaseNotLive, PurgeDeadlocked
 from workflow_delivery.models import Community, WorkflowAgentDelivery
 from workflow_delivery.protocol import Lease, LeaseLost, Outcome
 
@@ -158,7 +158,7 @@ def hold(step: factories.Step, lease: Lease) -> object:
     try:
         with services.holding(lease):
             pass
-    except LeaseLostError:
+    except LeaseNotLive:
         return LeaseLost()
     return "held"
 
@@ -304,7 +304,7 @@ def test_a_holder_stuck_in_holding_past_its_lease_stalls_neither_the_reaper_nor_
                 inside.set()
                 assert go.wait(30)
                 held.finish(Outcome.FINISHED)
-        except LeaseLostError:
+        except LeaseNotLive:
             return "lost"
         return "finished"
 

@@ -43,7 +43,7 @@ from django.db import DEFAULT_DB_ALIAS, InterfaceError, OperationalError, connec
 
 from . import services
 from .conf import app_settings
-from .exceptions import DeliveryTimeout, LeaseLostError, ProtocolError, WorkflowDeliveryError
+from .exceptions import DeliveryTimeout, LeaseNotLive, ProtocolError, WorkflowDeliveryError
 from .protocol import (
     AlreadyTerminal,
     DeliveryRecord,
@@ -121,20 +121,20 @@ class DeliveryContext:
     def holding(self) -> Iterator[services.Held]:
         """``services.holding`` for this lease, renewed first so the block starts with
         a whole lease (the heartbeat cannot renew while the block holds the row).
-        ``LeaseLostError`` if the lease is gone; ``lost`` is then set."""
+        ``LeaseNotLive`` if the lease is gone; ``lost`` is then set."""
         consumer = self._consumer
         if self.lost.is_set():
-            raise LeaseLostError(self.lease)
+            raise LeaseNotLive(self.lease)
         renewed = services.renew_delivery(
             self.lease, lease_seconds=consumer.lease_seconds, using=consumer.using
         )
         if isinstance(renewed, LeaseLost):
             self.lost.set()
-            raise LeaseLostError(self.lease)
+            raise LeaseNotLive(self.lease)
         try:
             with services.holding(self.lease, using=consumer.using) as held:
                 yield held
-        except LeaseLostError:
+        except LeaseNotLive:
             self.lost.set()
             raise
         if held.settled is not None:
@@ -553,7 +553,7 @@ class Consumer:
             logger.debug("handling %s", lease.delivery_id)
             self.handler(record, lease, context)
             outcome = Outcome.FINISHED
-        except LeaseLostError:
+        except LeaseNotLive:
             context.lost.set()
         except CONNECTION_ERRORS as exc:
             # Not the handler's verdict on the delivery: give it back to be retried.

@@ -26,7 +26,7 @@ from .exceptions import (
     BindingScopeError,
     CommunityWriteFenced,
     InvalidLeaseSeconds,
-    LeaseLostError,
+    LeaseNotLive,
     ProtocolError,
     StepIdentityClosed,
     WorkflowDeliveryConfigurationError,
@@ -551,7 +551,7 @@ class Held:
 
     def finish(self, outcome: Outcome | str) -> Settled:
         """Settle the delivery in the block's transaction: it commits with the block's
-        other writes. Raises ``LeaseLostError`` if the lease ran out during the block
+        other writes. Raises ``LeaseNotLive`` if the lease ran out during the block
         (the block then rolls back, even if the caller catches it)."""
         outcome = _outcome(outcome)
         if self.settled is not None:
@@ -562,7 +562,7 @@ class Held:
         if not settled:
             self.refused = True
             counters.LEASES_LOST.inc()
-            raise LeaseLostError(self.lease, "the lease ran out inside the holding() block")
+            raise LeaseNotLive(self.lease, "the lease ran out inside the holding() block")
         # Counted once the block's transaction commits: until then it may roll back.
         transaction.on_commit(counters.SETTLED[outcome.value].inc, using=self._using)
         self.settled = Settled(outcome=outcome)
@@ -578,9 +578,9 @@ def holding(lease: Lease, *, using: str = DEFAULT_DB_ALIAS) -> Iterator[Held]:
     Entry locks the row (``FOR UPDATE``, waiting behind a brief locker such as a renew
     or the reaper) only while the lease is live, then asks again on its own clock:
     a lease reaped, released, superseded or settled before the block, or one that ran
-    out while the block waited for the row, raises ``LeaseLostError``. While the block
+    out while the block waited for the row, raises ``LeaseNotLive``. While the block
     holds the row the reaper skips it and no newer holder can exist. A block that does
-    not finish asks once more before it commits and rolls back (``LeaseLostError``)
+    not finish asks once more before it commits and rolls back (``LeaseNotLive``)
     if the lease ran out inside it. So effects written inside ``holding()`` commit
     only under the live lease, and a block that finishes the delivery is the last any
     holder can commit: an effect written in that block happens exactly once.
@@ -607,11 +607,11 @@ def holding(lease: Lease, *, using: str = DEFAULT_DB_ALIAS) -> Iterator[Held]:
                 locked = cursor.fetchone() is not None
         if not locked:
             counters.LEASES_LOST.inc()
-            raise LeaseLostError(lease)
+            raise LeaseNotLive(lease)
         held = Held(lease, using)
         yield held
         if held.refused:
-            raise LeaseLostError(lease, "the lease ran out inside the holding() block")
+            raise LeaseNotLive(lease, "the lease ran out inside the holding() block")
         if held.settled is None:
             # The row is still ours, so this answer holds until the commit.
             with db.cursor(using, savepoint=False) as cursor:
@@ -619,7 +619,7 @@ def holding(lease: Lease, *, using: str = DEFAULT_DB_ALIAS) -> Iterator[Held]:
                 live = cursor.fetchone() is not None
             if not live:
                 counters.LEASES_LOST.inc()
-                raise LeaseLostError(lease, "the lease ran out inside the holding() block")
+                raise LeaseNotLive(lease, "the lease ran out inside the holding() block")
 
 
 def _batch_size(value: object, default: int) -> int:
