@@ -84,7 +84,7 @@ def test_a_holder_finishing_inside_holding_does_not_deadlock_a_purge(elsewhere):
     holder, _ = elsewhere(hold)
     assert inside.wait(30)
     purge, purge_pid = elsewhere(fence.purge_community, step.community.id, generation)
-    # The purge waits for the holder (its lock, or before this fix its row).
+    # The purge waits for the community's deletion lock, which the holder's block shares.
     wait_until_blocked(purge_pid)
     go.set()
     # The holder's finish asks the fence; the community is fenced, so it is refused

@@ -20,7 +20,7 @@ DEFAULTS: dict[str, Any] = {
     "REAP_BATCH_SIZE": 500,
     "REAP_INTERVAL_SECONDS": 5.0,
     # After a full batch the reaper rests this many times the batch's duration, so a
-    # large backlog leaves most of the database to live holders (bench/run.py reap).
+    # large backlog leaves most of the database to live holders.
     "REAP_YIELD_RATIO": 4.0,
     "PREPARED_STATEMENTS": True,
     # The agent HTTP API (workflow_delivery.api).
@@ -48,8 +48,8 @@ DEFAULTS: dict[str, Any] = {
     # How long terminal deliveries are kept (prune_deliveries, reap_deliveries --prune).
     "RETENTION": "30d",
     "PRUNE_BATCH_SIZE": 1000,
-    # The same rest for retention, which runs on a schedule rather than after an
-    # outage: measured at 1.0 (bench/run.py prune).
+    # The same rest for retention: shorter than the reaper's, as pruning runs on a
+    # schedule rather than to clear an outage's backlog.
     "PRUNE_YIELD_RATIO": 1.0,
     # Record each delivery's transitions (the timeline trigger) for the app's sessions.
     "TIMELINE": True,
