@@ -324,7 +324,7 @@ def run_consumer_agent(config: dict[str, Any], index: int, journal: Journal) -> 
     from django.db import InterfaceError, OperationalError, connection
 
     from workflow_delivery.consumer import Consumer
-    from workflow_delivery.exceptions import LeaseLostError
+    from workflow_delivery.exceptions import LeaseNotLive
     from workflow_delivery.protocol import Outcome
 
     lease_seconds = config["lease"]
@@ -356,7 +356,7 @@ def run_consumer_agent(config: dict[str, Any], index: int, journal: Journal) -> 
                         [lease.delivery_id, lease.generation, os.getpid()],
                     )
                     held.finish(outcome)
-            except LeaseLostError:
+            except LeaseNotLive:
                 return "lost"
             return "settled"
 

@@ -28,7 +28,7 @@ from workflow_delivery import errors, fence, roster, services
 from workflow_delivery.exceptions import ExecutorNotAuthorized, TargetNotEnrolled
 from workflow_delivery.models import Community, CommunityAgent, WorkflowAgentDelivery
 from workflow_delivery.protocol import LeaseLost, NewDelivery, Outcome, Settled
-from workflow_delivery.runner import logger as reaper_logger
+from workflow_delivery.reaper import logger as reaper_logger
 
 pytestmark = pytest.mark.django_db(transaction=True)
 

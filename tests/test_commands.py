@@ -22,7 +22,7 @@ from tests import factories
 from tests.sessions import other_sessions
 from workflow_delivery import fence
 from workflow_delivery.models import WorkflowAgentDelivery
-from workflow_delivery.runner import logger as reaper_logger
+from workflow_delivery.reaper import logger as reaper_logger
 from workflow_delivery.services import claim_delivery, commit_deliveries
 
 

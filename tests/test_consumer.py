@@ -15,7 +15,7 @@ from tests.consumer_handlers import CREATE_EFFECTS, EFFECTS, write_effect
 from tests.sessions import listening_sessions, other_sessions
 from workflow_delivery import services, wakeups
 from workflow_delivery.consumer import Consumer, ConsumerStats, DeliveryContext
-from workflow_delivery.exceptions import LeaseLostError, ProtocolError
+from workflow_delivery.exceptions import LeaseNotLive, ProtocolError
 from workflow_delivery.models import IdleWakeTarget, WorkflowAgentDelivery
 from workflow_delivery.protocol import DeliveryRecord, DeliveryStatus, Lease
 
@@ -194,7 +194,7 @@ def test_an_operator_release_is_seen_and_its_writes_do_not_commit(db, effects):
         handler.seen["lost_in_time"] = context.lost.wait(5)
         try:
             write_effect(record, lease, context)
-        except LeaseLostError:
+        except LeaseNotLive:
             handler.seen["holding"] = "refused"
 
     handler = Recorder(released_under_it)

@@ -14,11 +14,12 @@ import pytest
 from buzz_project.demo import data as demo
 from workflow_delivery import keys
 from workflow_delivery.client import AgentClient
+from workflow_delivery.commandline import StopRequest
 from workflow_delivery.consumer import Consumer, DeliveryContext
 from workflow_delivery.exceptions import AgentApiError, ProtocolError
 from workflow_delivery.models import Community, WorkflowAgentDelivery
 from workflow_delivery.protocol import DeliveryRecord, Lease, Settled
-from workflow_delivery.runner import Reaper, StopRequest
+from workflow_delivery.reaper import Reaper
 
 ALPHA = "alpha.demo.buzz"
 

@@ -1,4 +1,4 @@
-"""The faults of issue 10, each proven on real PostgreSQL with real second connections:
+"""Faults the core withstands, each proven on real PostgreSQL with real second connections:
 a sweep that never waits on a tenant, a reaper that never reads parked rows, huge
 steps, the executor's proof, errors by SQLSTATE, the operator terminal, the locks
 and checks the fence rests on, one-step lifecycle moves, one message per step and
@@ -21,7 +21,7 @@ from django.db import DatabaseError, OperationalError, connection, transaction
 
 from tests import factories
 from workflow_delivery import checks, errors, fence, services
-from workflow_delivery.conf import LEASE_SECONDS_BOUND
+from workflow_delivery.commandline import StopRequest
 from workflow_delivery.exceptions import (
     CommunityWriteFenced,
     DeliveryTimeout,
@@ -35,7 +35,8 @@ from workflow_delivery.exceptions import (
 )
 from workflow_delivery.models import Community, Workflow, WorkflowAgentDelivery
 from workflow_delivery.protocol import Lease, LeaseLost, NewDelivery, Outcome, Renewed
-from workflow_delivery.runner import Reaper, StopRequest
+from workflow_delivery.reaper import Reaper
+from workflow_delivery.validation import LEASE_SECONDS_BOUND
 
 # A statement that waits on a lock it should have skipped fails within this instead
 # of hanging the suite; a wait we expect to see shows well within it.
@@ -305,7 +306,8 @@ def test_reap_batch_does_not_read_the_rows_parked_in_a_fenced_community(db, raw)
 @pytest.mark.psycopg3  # the statements a session prepared, through the app's lane
 def test_a_sweep_past_parked_rows_plans_its_batch_once_per_session():
     # Parked expired leases make a parameterised batch dearer to plan generically than
-    # afresh, so PostgreSQL planned it again at every batch (bench/run.py reap_cliff).
+    # afresh, so PostgreSQL would plan it again at every batch: the batch's size and
+    # cap are written into its text (sql.reap_batch), one plan per session.
     park_expired_leases(3000)
     healthy = factories.Step(targets=4)
     factories.committed(healthy)

@@ -19,7 +19,7 @@ from django.db import connection, transaction
 
 from tests import factories
 from workflow_delivery import services, sql
-from workflow_delivery.exceptions import LeaseLostError, ProtocolError
+from workflow_delivery.exceptions import LeaseNotLive, ProtocolError
 from workflow_delivery.models import WorkflowAgentDelivery
 from workflow_delivery.protocol import DeliveryStatus, Lease, Outcome, Settled
 
@@ -148,7 +148,7 @@ def lose_by_settle(step: factories.Step, lease: Lease) -> None:
 def test_a_lost_lease_is_refused_on_entry(step, effects, lose):
     lease = claim(step, seconds=1)
     lose(step, lease)
-    with pytest.raises(LeaseLostError), services.holding(lease):
+    with pytest.raises(LeaseNotLive), services.holding(lease):
         write_effect(lease, "stale")
     assert effect_rows(lease.delivery_id) == []
 
@@ -172,7 +172,7 @@ def test_a_lease_that_expires_while_waiting_for_the_row_is_refused(step, effects
     threading.Timer(1.5, release.set).start()
     started = time.monotonic()
     entered = []
-    with pytest.raises(LeaseLostError), services.holding(lease):
+    with pytest.raises(LeaseNotLive), services.holding(lease):
         entered.append(True)
     assert time.monotonic() - started >= 1.0
     assert entered == [], "the refusal comes on entry, before the block runs"
@@ -182,7 +182,7 @@ def test_a_lease_that_expires_while_waiting_for_the_row_is_refused(step, effects
 
 def test_the_reaper_skips_a_row_held_by_an_open_block(step, effects, elsewhere):
     lease = claim(step, seconds=1)
-    with pytest.raises(LeaseLostError), services.holding(lease):
+    with pytest.raises(LeaseNotLive), services.holding(lease):
         write_effect(lease, "slow")
         time.sleep(1.5)
         # The lease has run out, but the block holds the row: another connection's
@@ -199,11 +199,11 @@ def test_the_reaper_skips_a_row_held_by_an_open_block(step, effects, elsewhere):
 
 def test_a_finish_after_the_lease_ran_out_inside_the_block_rolls_everything_back(step, effects):
     lease = claim(step, seconds=1)
-    with pytest.raises(LeaseLostError), services.holding(lease) as held:
+    with pytest.raises(LeaseNotLive), services.holding(lease) as held:
         write_effect(lease, "slow")
         time.sleep(1.2)
         # Swallowed by the caller: the block must still refuse to commit.
-        with contextlib.suppress(LeaseLostError):
+        with contextlib.suppress(LeaseNotLive):
             held.finish("finished")
     assert effect_rows(lease.delivery_id) == []
     assert status_of(lease) == DeliveryStatus.CLAIMED
@@ -214,12 +214,12 @@ def test_a_stale_holders_writes_never_commit(step, effects):
     time.sleep(1.2)
     assert services.reap_expired_deliveries() == 1
     fresh = claim(step)
-    with pytest.raises(LeaseLostError), services.holding(stale):
+    with pytest.raises(LeaseNotLive), services.holding(stale):
         write_effect(stale, "stale")
     with services.holding(fresh) as held:
         write_effect(fresh, "fresh")
         held.finish("finished")
-    with pytest.raises(LeaseLostError), services.holding(stale):
+    with pytest.raises(LeaseNotLive), services.holding(stale):
         write_effect(stale, "stale")
     assert effect_rows(stale.delivery_id) == [("fresh", fresh.generation)]
 
@@ -246,7 +246,7 @@ def test_of_two_blocks_on_one_lease_only_the_first_to_finish_commits(step, effec
     time.sleep(0.3)  # the second block now waits for the row
     go.set()
     one.result(timeout=10)
-    with pytest.raises(LeaseLostError):
+    with pytest.raises(LeaseNotLive):
         two.result(timeout=10)
     assert effect_rows(lease.delivery_id) == [("first", lease.generation)]
 

@@ -12,7 +12,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tests import factories
 from workflow_delivery import fence, services, sql
-from workflow_delivery.exceptions import CommunityWriteFenced, LeaseLostError
+from workflow_delivery.exceptions import CommunityWriteFenced, LeaseNotLive
 from workflow_delivery.models import Community, WorkflowAgentDelivery
 
 pytestmark = pytest.mark.django_db
@@ -150,7 +150,7 @@ def test_batches_and_holding_blocks_are_counted_like_single_calls(
             held.finish("finished")
             raise RuntimeError("the block rolls back: its settle must not count")
     services.release_lease(fourth)
-    with pytest.raises(LeaseLostError), services.holding(fourth):
+    with pytest.raises(LeaseNotLive), services.holding(fourth):
         pytest.fail("a released lease must not enter")
     after = scrape(client)
 

@@ -23,7 +23,7 @@ from django.db import DatabaseError, connection, transaction
 from tests import factories
 from tests.test_concurrency import scalar, wait_until_blocked
 from workflow_delivery import fence, services, sql
-from workflow_delivery.exceptions import CommunityWriteFenced, LeaseLostError, PurgeDeadlocked
+from workflow_delivery.exceptions import CommunityWriteFenced, LeaseNotLive, PurgeDeadlocked
 from workflow_delivery.models import Community, WorkflowAgentDelivery
 from workflow_delivery.protocol import Lease, LeaseLost, Outcome
 
@@ -84,7 +84,7 @@ def test_a_holder_finishing_inside_holding_does_not_deadlock_a_purge(elsewhere):
     holder, _ = elsewhere(hold)
     assert inside.wait(30)
     purge, purge_pid = elsewhere(fence.purge_community, step.community.id, generation)
-    # The purge waits for the holder (its lock, or before this fix its row).
+    # The purge waits for the community's deletion lock, which the holder's block shares.
     wait_until_blocked(purge_pid)
     go.set()
     # The holder's finish asks the fence; the community is fenced, so it is refused
@@ -158,7 +158,7 @@ def hold(step: factories.Step, lease: Lease) -> object:
     try:
         with services.holding(lease):
             pass
-    except LeaseLostError:
+    except LeaseNotLive:
         return LeaseLost()
     return "held"
 
@@ -304,7 +304,7 @@ def test_a_holder_stuck_in_holding_past_its_lease_stalls_neither_the_reaper_nor_
                 inside.set()
                 assert go.wait(30)
                 held.finish(Outcome.FINISHED)
-        except LeaseLostError:
+        except LeaseNotLive:
             return "lost"
         return "finished"
 

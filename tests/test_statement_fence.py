@@ -141,8 +141,8 @@ def test_a_retry_into_a_frozen_community_is_refused_by_the_service():
 
 
 def test_a_raw_insert_whose_every_row_is_skipped_writes_nothing_in_a_frozen_community():
-    """What migration 0010 gives up: such a statement is no longer refused, because it
-    writes nothing for the fence to refuse."""
+    """A statement-level fence sees no row to refuse: such a statement succeeds, and
+    it writes nothing."""
     step = factories.Step(targets=2)
     factories.committed(step)
     factories.move_to(step.community.id, "fenced")

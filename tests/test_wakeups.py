@@ -12,7 +12,7 @@ from tests import factories
 from workflow_delivery import services
 from workflow_delivery.models import IdleWakeTarget
 from workflow_delivery.protocol import NewDelivery
-from workflow_delivery.wakeups import WakeHint, WakeListener, format_wake, parse_wake
+from workflow_delivery.wakeups import WakeListener, WakeNotice, format_wake, parse_wake
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.psycopg3]
 
@@ -40,7 +40,7 @@ def registered(step: factories.Step) -> set[bytes]:
     return {bytes(key) for key in rows.values_list("target_pubkey", flat=True)}
 
 
-def drain(listener: WakeListener, seconds: float = 2.0) -> list[WakeHint]:
+def drain(listener: WakeListener, seconds: float = 2.0) -> list[WakeNotice]:
     """Every hint that arrives until a quiet gap (or ``seconds`` with none at all)."""
     hints = listener.wait(seconds)
     while hints and (more := listener.wait(QUIET_SECONDS)):
@@ -48,9 +48,9 @@ def drain(listener: WakeListener, seconds: float = 2.0) -> list[WakeHint]:
     return hints
 
 
-def hints_for(step: factories.Step, deliveries: list[NewDelivery]) -> set[WakeHint]:
+def hints_for(step: factories.Step, deliveries: list[NewDelivery]) -> set[WakeNotice]:
     """One hint per target of ``deliveries``: each names that target's row."""
-    return {WakeHint(step.community.id, d.binding.target_pubkey, d.id) for d in deliveries}
+    return {WakeNotice(step.community.id, d.binding.target_pubkey, d.id) for d in deliveries}
 
 
 @pytest.mark.django_db
@@ -58,7 +58,7 @@ def test_payload_round_trip_and_malformed_payloads():
     community, target, delivery = uuid.uuid4(), factories.key32(), uuid.uuid4()
     payload = format_wake(community, target, delivery)
     assert payload == f"{community}:{target.hex()}:{delivery}"
-    assert parse_wake(payload) == WakeHint(community, target, delivery)
+    assert parse_wake(payload) == WakeNotice(community, target, delivery)
     good = [str(community), target.hex(), str(delivery)]
     malformed = [
         None,

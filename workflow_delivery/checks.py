@@ -7,9 +7,9 @@ from typing import Any
 from django.core import checks
 from django.db import DatabaseError, connections
 
-from .conf import (
+from .conf import app_settings
+from .validation import (
     LEASE_SECONDS_BOUND,
-    app_settings,
     is_delay_seconds,
     is_number,
     is_whole_number,

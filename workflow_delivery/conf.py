@@ -3,9 +3,6 @@ after every ``override_settings`` change of one of them."""
 
 from __future__ import annotations
 
-import math
-import re
-from datetime import timedelta
 from typing import Any
 
 from django.conf import settings
@@ -23,7 +20,7 @@ DEFAULTS: dict[str, Any] = {
     "REAP_BATCH_SIZE": 500,
     "REAP_INTERVAL_SECONDS": 5.0,
     # After a full batch the reaper rests this many times the batch's duration, so a
-    # large backlog leaves most of the database to live holders (bench/run.py reap).
+    # large backlog leaves most of the database to live holders.
     "REAP_YIELD_RATIO": 4.0,
     "PREPARED_STATEMENTS": True,
     # The agent HTTP API (workflow_delivery.api).
@@ -51,8 +48,8 @@ DEFAULTS: dict[str, Any] = {
     # How long terminal deliveries are kept (prune_deliveries, reap_deliveries --prune).
     "RETENTION": "30d",
     "PRUNE_BATCH_SIZE": 1000,
-    # The same rest for retention, which runs on a schedule rather than after an
-    # outage: measured at 1.0 (bench/run.py prune).
+    # The same rest for retention: shorter than the reaper's, as pruning runs on a
+    # schedule rather than to clear an outage's backlog.
     "PRUNE_YIELD_RATIO": 1.0,
     # Record each delivery's transitions (the timeline trigger) for the app's sessions.
     "TIMELINE": True,
@@ -82,50 +79,3 @@ class AppSettings:
 
 app_settings = AppSettings()
 setting_changed.connect(app_settings.forget, dispatch_uid="workflow_delivery.conf")
-
-
-# The longest lease the app hands out whatever the setting says: 10 years (3,650
-# days). statement_timestamp() + interval must stay inside PostgreSQL's timestamp
-# range (to 294276 AD); a bound far below it also keeps a mistyped setting from
-# handing out leases that never end in practice.
-LEASE_SECONDS_BOUND = 3650 * 86400
-
-
-def is_whole_number(value: object) -> bool:
-    """An ``int`` that is not a ``bool``."""
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def is_number(value: object) -> bool:
-    """A finite ``int`` or ``float`` that is not a ``bool`` (no inf, no nan)."""
-    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
-
-
-def is_delay_seconds(value: object) -> bool:
-    """A wait in seconds: a finite number from 0 to ``LEASE_SECONDS_BOUND``."""
-    return is_number(value) and 0 <= value <= LEASE_SECONDS_BOUND
-
-
-def is_yield_ratio(value: object) -> bool:
-    """How long the reaper rests after a full batch, in multiples of that batch."""
-    return is_number(value) and 0 <= value <= 100
-
-
-_DURATION = re.compile(r"(\d+)([dhms])")
-_UNIT_SECONDS = {"d": 86400, "h": 3600, "m": 60, "s": 1}
-
-
-def parse_duration(value: object) -> timedelta:
-    """``30d``, ``12h``, ``15m`` or ``90s`` (a ``timedelta`` passes as it is, if not
-    negative); anything else is a ValueError naming the accepted forms."""
-    if isinstance(value, timedelta):
-        if value < timedelta(0):
-            raise ValueError(f"a duration cannot be negative, not {value}")
-        return value
-    match = _DURATION.fullmatch(value.strip()) if isinstance(value, str) else None
-    if match is None:
-        raise ValueError(
-            f"a duration is a whole number followed by d, h, m or s (30d, 12h, 15m, 90s), "
-            f"not {value!r}"
-        )
-    return timedelta(seconds=int(match[1]) * _UNIT_SECONDS[match[2]])

@@ -42,8 +42,8 @@ from uuid import UUID
 from django.db import DEFAULT_DB_ALIAS, InterfaceError, OperationalError, connections, transaction
 
 from . import services
-from .conf import app_settings, is_number, is_whole_number
-from .exceptions import DeliveryTimeout, LeaseLostError, ProtocolError, WorkflowDeliveryError
+from .conf import app_settings
+from .exceptions import DeliveryTimeout, LeaseNotLive, ProtocolError, WorkflowDeliveryError
 from .protocol import (
     AlreadyTerminal,
     DeliveryRecord,
@@ -58,6 +58,7 @@ from .protocol import (
     as_uuid,
 )
 from .services.holder import _lease_seconds
+from .validation import is_number, is_whole_number
 from .wakeups import WakeListener
 from .wakeups import available as wakeups_available
 
@@ -121,20 +122,20 @@ class DeliveryContext:
     def holding(self) -> Iterator[services.Held]:
         """``services.holding`` for this lease, renewed first so the block starts with
         a whole lease (the heartbeat cannot renew while the block holds the row).
-        ``LeaseLostError`` if the lease is gone; ``lost`` is then set."""
+        ``LeaseNotLive`` if the lease is gone; ``lost`` is then set."""
         consumer = self._consumer
         if self.lost.is_set():
-            raise LeaseLostError(self.lease)
+            raise LeaseNotLive(self.lease)
         renewed = services.renew_delivery(
             self.lease, lease_seconds=consumer.lease_seconds, using=consumer.using
         )
         if isinstance(renewed, LeaseLost):
             self.lost.set()
-            raise LeaseLostError(self.lease)
+            raise LeaseNotLive(self.lease)
         try:
             with services.holding(self.lease, using=consumer.using) as held:
                 yield held
-        except LeaseLostError:
+        except LeaseNotLive:
             self.lost.set()
             raise
         if held.settled is not None:
@@ -352,7 +353,7 @@ class Consumer:
 
     def run(self, stop: Callable[[], bool] | None = None) -> ConsumerStats:
         """Run until stopped (``stop()``, ``stop`` returning true, e.g. a
-        ``runner.StopRequest``) or ``max_deliveries`` are handled."""
+        ``commandline.StopRequest``) or ``max_deliveries`` are handled."""
         heartbeat = _Heartbeat(self)
         self._heartbeat = heartbeat
         heartbeat.start()
@@ -553,7 +554,7 @@ class Consumer:
             logger.debug("handling %s", lease.delivery_id)
             self.handler(record, lease, context)
             outcome = Outcome.FINISHED
-        except LeaseLostError:
+        except LeaseNotLive:
             context.lost.set()
         except CONNECTION_ERRORS as exc:
             # Not the handler's verdict on the delivery: give it back to be retried.

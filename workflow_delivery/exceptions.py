@@ -8,6 +8,7 @@ name on first use.
 
 from __future__ import annotations
 
+import warnings
 from uuid import UUID
 
 
@@ -139,11 +140,11 @@ class IsolationLevelError(WorkflowDeliveryError):
     """A fenced operation ran outside READ COMMITTED isolation."""
 
 
-class LeaseLostError(WorkflowDeliveryError):
+class LeaseNotLive(WorkflowDeliveryError):
     """``holding()`` refused: the lease is not live (expired, reaped, released,
     superseded or settled), so nothing written in the block commits.
 
-    The result value ``LeaseLost`` stays what renew and finish return."""
+    Not ``protocol.LeaseLost``, the result value renew, finish and retry return."""
 
     def __init__(self, lease: object, message: str | None = None) -> None:
         self.lease = lease
@@ -173,9 +174,21 @@ class AgentApiError(WorkflowDeliveryError):
         super().__init__(f"{status} {code}: {detail}")
 
 
+# Old names still importable from here, each with a DeprecationWarning.
+_DEPRECATED = {"LeaseLostError": "LeaseNotLive"}
+
+
 def __getattr__(name: str) -> type[Exception]:
     if name == "WorkflowDeliveryConfigurationError":
         from .conf import WorkflowDeliveryConfigurationError
 
         return WorkflowDeliveryConfigurationError
+    if name in _DEPRECATED:
+        current = _DEPRECATED[name]
+        warnings.warn(
+            f"{__name__}.{name} is deprecated; use {current}",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return globals()[current]
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -570,8 +570,8 @@ def new_delivery_id() -> UUID:
     new entry for its id into the table's keys on ``id`` (the primary key, the
     ``(community_id, id)`` key, the timeline's ``(community_id, delivery_id, id)``).
     With random ids the live deliveries' entries are spread over every page of those
-    keys, however much history sits beside them; with ids that grow with time they
-    share the few newest pages (bench/RESULTS.md, history)."""
+    keys, however many settled deliveries sit beside them; with ids that grow with
+    time they share the few newest pages."""
     milliseconds = time.time_ns() // 1_000_000
     random = int.from_bytes(os.urandom(10), "big")  # 80 bits; 74 are used
     value = (milliseconds & 0xFFFF_FFFF_FFFF) << 80

@@ -18,7 +18,6 @@ from django.db import Error as DatabaseError
 from django.db import connection
 
 from . import errors
-from .conf import is_whole_number
 from .counters import FENCE_REFUSALS
 from .exceptions import (
     CommunityNotFound,
@@ -43,6 +42,7 @@ from .models import (
     WorkflowAgentDelivery,
     WorkflowRun,
 )
+from .validation import is_whole_number
 from .wakeups import WAKE_CHANNEL
 
 _q = quote_name = connection.ops.quote_name
@@ -96,8 +96,8 @@ _INSERT_ROWS = (
 )
 # The usual step: every delivery shares all but its id and target (the same workflow,
 # run, step, definition, message and cause). Those eleven columns are bound once as
-# values, and only the ids and targets as arrays: what a producer dumps, and what
-# the statement unnests, no longer grows eleven columns' worth per delivery.
+# values, and only the ids and targets as arrays, so what a producer sends and what
+# the statement unnests grow by two columns per delivery, not thirteen.
 _PER_DELIVERY = ("id", "target_pubkey")
 _SHARED_ROWS = (
     "SELECT "
@@ -545,13 +545,12 @@ SELECT (SELECT count(*) FROM reaped),
 def reap_batch(size: int, cap: int | None) -> str:
     """``_REAP_BATCH`` with its batch size and attempts cap (None: no cap) written in.
 
-    With them as parameters PostgreSQL plans the statement afresh at every batch once
-    the table holds many expired leases, even parked ones it never reads: the generic
-    plan, blind to the LIMIT, is estimated dearer than a custom one, and planning this
-    statement takes about as long as running a small batch (``bench/run.py
-    reap_cliff``: 1.47 ms a batch beside 100,000 parked leases, 0.80 ms planned once;
-    0.74 ms with none parked). Without parameters there is one plan to keep. A sweep
-    uses one size and one cap, so a session prepares few of these."""
+    With them as parameters PostgreSQL would plan the statement afresh at every batch
+    once the table holds many expired leases, even parked ones it never reads: the
+    generic plan, blind to the LIMIT, is estimated dearer than a custom one, and
+    planning this statement takes about as long as running a small batch. Without
+    parameters there is one plan to keep. A sweep uses one size and one cap, so a
+    session prepares few of these."""
     if not is_whole_number(size):
         raise TypeError(f"size must be an int, not {size!r}")
     if cap is not None and not is_whole_number(cap):

@@ -40,7 +40,7 @@ from uuid import UUID
 
 from django.db import DEFAULT_DB_ALIAS, connections
 
-__all__ = ["WAKE_CHANNEL", "WakeHint", "WakeListener", "available", "format_wake", "parse_wake"]
+__all__ = ["WAKE_CHANNEL", "WakeListener", "WakeNotice", "available", "format_wake", "parse_wake"]
 
 WAKE_CHANNEL = "workflow_delivery_wake"
 
@@ -50,7 +50,7 @@ _HEX = frozenset("0123456789abcdef")
 
 
 @dataclass(frozen=True, slots=True)
-class WakeHint:
+class WakeNotice:
     """A notification's identifiers: a delivery for this target was committed.
 
     Not ``protocol.WakeHint`` (the signed kind-24620 event an agent may receive): this
@@ -81,7 +81,7 @@ def _canonical_uuid(text: str) -> UUID | None:
     return value if str(value) == text else None
 
 
-def parse_wake(payload: object) -> WakeHint | None:
+def parse_wake(payload: object) -> WakeNotice | None:
     """A payload's hint, or None when it is not exactly the producer's format."""
     if not isinstance(payload, str):
         return None
@@ -94,7 +94,7 @@ def parse_wake(payload: object) -> WakeHint | None:
     community_id, delivery_id = _canonical_uuid(community), _canonical_uuid(delivery)
     if community_id is None or delivery_id is None:
         return None
-    return WakeHint(community_id, bytes.fromhex(target), delivery_id)
+    return WakeNotice(community_id, bytes.fromhex(target), delivery_id)
 
 
 @functools.cache
@@ -206,7 +206,7 @@ class WakeListener:
             return False
         return True
 
-    def wait(self, timeout: float) -> list[WakeHint]:
+    def wait(self, timeout: float) -> list[WakeNotice]:
         """Hints that arrive within ``timeout`` seconds, as soon as the first does.
         Malformed payloads are dropped. Empty after a timeout or a reconnect."""
         import psycopg
@@ -215,7 +215,7 @@ class WakeListener:
             # Either way the caller polls next: anything sent meanwhile was missed.
             self._reconnect(timeout)
             return []
-        hints: list[WakeHint] = []
+        hints: list[WakeNotice] = []
         try:
             # Each generator is run to its end: it stops only after yielding every
             # notification of the packet it read, so none is dropped half-read.

@@ -29,6 +29,7 @@ from django.utils import timezone
 
 from workflow_delivery import fence, keys, roster, services
 from workflow_delivery.client import AgentClient
+from workflow_delivery.commandline import StopRequest
 from workflow_delivery.consumer import (
     Consumer,
     ConsumerStats,
@@ -62,7 +63,6 @@ from workflow_delivery.protocol import (
     ScheduleCause,
     WebhookCause,
 )
-from workflow_delivery.runner import StopRequest
 
 logger = logging.getLogger("buzz_project.demo")
 

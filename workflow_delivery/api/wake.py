@@ -20,7 +20,7 @@ from uuid import UUID
 
 from django.db import DEFAULT_DB_ALIAS
 
-from ..wakeups import WakeHint, WakeListener
+from ..wakeups import WakeListener, WakeNotice
 
 _POLL_SECONDS = 0.5
 
@@ -97,7 +97,7 @@ class WakeHub:
         self._thread = None
         self._listening.clear()
 
-    def dispatch(self, hint: WakeHint) -> int:
+    def dispatch(self, hint: WakeNotice) -> int:
         """Wake every waiter of the hint's community and target; returns how many."""
         with self._lock:
             waiters = self._waiters.pop((hint.community_id, hint.target_pubkey), set())

@@ -10,8 +10,9 @@ from typing import Any
 from django.db import transaction
 
 from .. import db, sql
-from ..conf import app_settings, is_whole_number
+from ..conf import app_settings
 from ..exceptions import ProtocolError
+from ..validation import is_whole_number
 
 
 def _max_attempts() -> int | None:

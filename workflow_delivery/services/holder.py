@@ -14,10 +14,10 @@ from uuid import UUID
 from django.db import DEFAULT_DB_ALIAS, transaction
 
 from .. import counters, db, sql
-from ..conf import LEASE_SECONDS_BOUND, app_settings, is_delay_seconds, is_whole_number
+from ..conf import app_settings
 from ..exceptions import (
     InvalidLeaseSeconds,
-    LeaseLostError,
+    LeaseNotLive,
     ProtocolError,
     WorkflowDeliveryConfigurationError,
 )
@@ -40,6 +40,7 @@ from ..protocol import (
     error_report,
     stored_lease,
 )
+from ..validation import LEASE_SECONDS_BOUND, is_delay_seconds, is_whole_number
 from ._common import _max_attempts
 
 # The most leases one claim_deliveries or finish_deliveries call handles: a bound on
@@ -342,7 +343,7 @@ class Held:
 
     def finish(self, outcome: Outcome | str) -> Settled:
         """Settle the delivery in the block's transaction: it commits with the block's
-        other writes. Raises ``LeaseLostError`` if the lease ran out during the block
+        other writes. Raises ``LeaseNotLive`` if the lease ran out during the block
         (the block then rolls back, even if the caller catches it)."""
         outcome = _outcome(outcome)
         if self.settled is not None:
@@ -353,7 +354,7 @@ class Held:
         if not settled:
             self.refused = True
             counters.LEASES_LOST.inc()
-            raise LeaseLostError(self.lease, "the lease ran out inside the holding() block")
+            raise LeaseNotLive(self.lease, "the lease ran out inside the holding() block")
         # Counted once the block's transaction commits: until then it may roll back.
         transaction.on_commit(counters.SETTLED[outcome.value].inc, using=self._using)
         self.settled = Settled(outcome=outcome)
@@ -369,9 +370,9 @@ def holding(lease: Lease, *, using: str = DEFAULT_DB_ALIAS) -> Iterator[Held]:
     Entry locks the row (``FOR UPDATE``, waiting behind a brief locker such as a renew
     or the reaper) only while the lease is live, then asks again on its own clock:
     a lease reaped, released, superseded or settled before the block, or one that ran
-    out while the block waited for the row, raises ``LeaseLostError``. While the block
+    out while the block waited for the row, raises ``LeaseNotLive``. While the block
     holds the row the reaper skips it and no newer holder can exist. A block that does
-    not finish asks once more before it commits and rolls back (``LeaseLostError``)
+    not finish asks once more before it commits and rolls back (``LeaseNotLive``)
     if the lease ran out inside it. So effects written inside ``holding()`` commit
     only under the live lease, and a block that finishes the delivery is the last any
     holder can commit: an effect written in that block happens exactly once.
@@ -398,11 +399,11 @@ def holding(lease: Lease, *, using: str = DEFAULT_DB_ALIAS) -> Iterator[Held]:
                 locked = cursor.fetchone() is not None
         if not locked:
             counters.LEASES_LOST.inc()
-            raise LeaseLostError(lease)
+            raise LeaseNotLive(lease)
         held = Held(lease, using)
         yield held
         if held.refused:
-            raise LeaseLostError(lease, "the lease ran out inside the holding() block")
+            raise LeaseNotLive(lease, "the lease ran out inside the holding() block")
         if held.settled is None:
             # The row is still ours, so this answer holds until the commit.
             with db.cursor(using, savepoint=False) as cursor:
@@ -410,7 +411,7 @@ def holding(lease: Lease, *, using: str = DEFAULT_DB_ALIAS) -> Iterator[Held]:
                 live = cursor.fetchone() is not None
             if not live:
                 counters.LEASES_LOST.inc()
-                raise LeaseLostError(lease, "the lease ran out inside the holding() block")
+                raise LeaseNotLive(lease, "the lease ran out inside the holding() block")
 
 
 def register_idle(

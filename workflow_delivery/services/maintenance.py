@@ -12,9 +12,10 @@ from uuid import UUID
 from django.db import DEFAULT_DB_ALIAS, connections
 
 from .. import counters, db, sql
-from ..conf import app_settings, is_whole_number, is_yield_ratio, parse_duration
+from ..conf import app_settings
 from ..exceptions import ProtocolError
 from ..protocol import Reaped
+from ..validation import is_whole_number, is_yield_ratio, parse_duration
 from ._common import _max_attempts, _transaction_as
 
 

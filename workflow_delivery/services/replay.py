@@ -9,9 +9,10 @@ from uuid import UUID
 from django.db import DEFAULT_DB_ALIAS
 
 from .. import db, sql
-from ..conf import app_settings, is_whole_number
+from ..conf import app_settings
 from ..exceptions import CommunityWriteFenced, ProtocolError
 from ..protocol import AgentStanding, RequestAdmission, as_bytes32, as_uuid
+from ..validation import is_whole_number
 
 
 def record_request_event(

@@ -12,11 +12,11 @@ from django.db import connections
 from django.utils.module_loading import import_string
 
 from workflow_delivery import consumer as consumer_module
+from workflow_delivery.commandline import VERBOSITY_LEVELS, positive, stop_on_signals
 from workflow_delivery.consumer import Consumer, ConsumerStats
 from workflow_delivery.exceptions import ProtocolError
 from workflow_delivery.models import Community
 from workflow_delivery.protocol import as_uuid
-from workflow_delivery.runner import VERBOSITY_LEVELS, positive, stop_on_signals
 
 
 class Command(BaseCommand):

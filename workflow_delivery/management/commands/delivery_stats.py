@@ -11,9 +11,9 @@ from django.core.management.base import BaseCommand
 from django.db import DEFAULT_DB_ALIAS
 from django.db.models import Count, Min, Q
 
+from workflow_delivery.commandline import add_database_options, databases_option
 from workflow_delivery.models import Community, WorkflowAgentDelivery
 from workflow_delivery.protocol import DeliveryStatus
-from workflow_delivery.runner import add_database_options, databases_option
 
 STATUSES = [status.value for status in DeliveryStatus]
 

@@ -10,6 +10,7 @@ from django.core.management.base import BaseCommand, CommandError
 from django.db.models.functions import Lower
 
 from workflow_delivery import roster
+from workflow_delivery.commandline import add_database_options, databases_option
 from workflow_delivery.exceptions import (
     AgentNotEnrolled,
     CommunityNotFound,
@@ -18,7 +19,6 @@ from workflow_delivery.exceptions import (
 )
 from workflow_delivery.models import Community
 from workflow_delivery.protocol import RosterEntry
-from workflow_delivery.runner import add_database_options, databases_option
 
 
 def _community(value: str, using: str) -> uuid.UUID:

@@ -9,8 +9,7 @@ from django.core.management.base import BaseCommand
 from tqdm import tqdm
 
 from workflow_delivery import services
-from workflow_delivery.conf import app_settings
-from workflow_delivery.runner import (
+from workflow_delivery.commandline import (
     add_database_options,
     databases_option,
     duration_option,
@@ -18,6 +17,7 @@ from workflow_delivery.runner import (
     positive,
     stop_on_signals,
 )
+from workflow_delivery.conf import app_settings
 
 
 class Command(BaseCommand):

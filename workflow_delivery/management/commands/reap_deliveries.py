@@ -7,10 +7,7 @@ from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError
 
-from workflow_delivery.conf import app_settings
-from workflow_delivery.runner import (
-    Reaper,
-    Sweep,
+from workflow_delivery.commandline import (
     add_database_options,
     databases_option,
     duration_option,
@@ -18,6 +15,8 @@ from workflow_delivery.runner import (
     positive,
     stop_on_signals,
 )
+from workflow_delivery.conf import app_settings
+from workflow_delivery.reaper import Reaper, Sweep
 
 
 class Command(BaseCommand):

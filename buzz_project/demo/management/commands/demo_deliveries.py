@@ -11,7 +11,7 @@ from django.core.management.base import BaseCommand, CommandError
 from tqdm import tqdm
 
 from buzz_project.demo import data as demo
-from workflow_delivery.runner import stop_on_signals
+from workflow_delivery.commandline import stop_on_signals
 
 PASSWORD_VARIABLE = "DEMO_ADMIN_PASSWORD"
 

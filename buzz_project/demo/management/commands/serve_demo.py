@@ -19,8 +19,9 @@ from django.core.servers.basehttp import ThreadedWSGIServer, WSGIRequestHandler
 
 from buzz_project.demo import data as demo
 from workflow_delivery.api.wake import hub as wake_hub
+from workflow_delivery.commandline import log_level, positive, stop_on_signals
 from workflow_delivery.conf import app_settings
-from workflow_delivery.runner import Reaper, log_level, positive, stop_on_signals
+from workflow_delivery.reaper import Reaper
 
 
 class _QuietAgentPolls(logging.Filter):
