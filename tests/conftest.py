@@ -1,9 +1,12 @@
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import pytest
 from django.db import connection
 
 from tests import factories
+from tests.locks import LOCK_TIMEOUT, Worker
 
 
 @pytest.fixture
@@ -16,3 +19,19 @@ def raw(db):
     """A cursor on the test connection, for statements the ORM would refuse to write."""
     with connection.cursor() as cursor:
         yield cursor
+
+
+@pytest.fixture
+def worker(transactional_db) -> Iterator[Worker]:
+    w = Worker()
+    yield w
+    w.close()
+
+
+@pytest.fixture
+def lock_timeout(transactional_db) -> Iterator[None]:
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT set_config('lock_timeout', %s, false)", [LOCK_TIMEOUT])
+    yield
+    with connection.cursor() as cursor:
+        cursor.execute("RESET lock_timeout")

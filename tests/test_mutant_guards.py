@@ -9,8 +9,8 @@ import pytest
 from django.db import connection, transaction
 
 from tests import factories
+from tests.second_session import other
 from tests.test_consumer import Running, consumer_for
-from tests.test_hardening import other
 from workflow_delivery import fence, services
 from workflow_delivery.models import WorkflowAgentDelivery
 

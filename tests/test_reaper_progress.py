@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from tests import factories
-from tests.test_hardening import expire_all, other
+from tests.locks import expire_all
+from tests.second_session import other
 from workflow_delivery import services
 from workflow_delivery.models import WorkflowAgentDelivery
 
