@@ -21,7 +21,6 @@ from tests.locks import (
     QUICK,
     expire_all,
     key_of,
-    statuses,
     wait_until_blocked,
 )
 from tests.second_session import other
@@ -43,40 +42,6 @@ from workflow_delivery.protocol import Lease, LeaseLost, NewDelivery, Outcome, R
 from workflow_delivery.runner import Reaper, StopRequest
 
 # --- 1. a sweep never waits on a tenant ----------------------------------------------------
-
-
-def test_operator_release_does_not_queue_behind_a_tenant_lock(lock_timeout):
-    step = factories.Step(targets=1)
-    factories.committed(step)
-    lease, _ = services.claim_delivery(step.community.id, step.targets[0])
-    with other() as executor:
-        executor.execute("SELECT pg_advisory_xact_lock(%s)", [key_of(step.community.id)])
-        started = time.monotonic()
-        assert services.release_deliveries(step.community.id, [lease.delivery_id]) == []
-        assert services.fail_deliveries(step.community.id, [lease.delivery_id]) == []
-        assert time.monotonic() - started < QUICK
-        executor.rollback()
-    assert statuses([lease.delivery_id]) == ["claimed"]
-    assert services.release_deliveries(step.community.id, [lease.delivery_id]) == [
-        lease.delivery_id
-    ]
-
-
-def test_delivery_stats_and_the_dry_run_do_not_queue_behind_a_tenant_lock(lock_timeout):
-    from io import StringIO
-
-    from django.core.management import call_command
-
-    step = factories.Step(targets=1)
-    factories.committed(step)
-    expire_all(step)
-    with other() as executor:
-        executor.execute("SELECT pg_advisory_xact_lock(%s)", [key_of(step.community.id)])
-        started = time.monotonic()
-        call_command("delivery_stats", "--json", stdout=StringIO())
-        call_command("reap_deliveries", "--dry-run", stdout=StringIO())
-        assert time.monotonic() - started < QUICK
-        executor.rollback()
 
 
 # --- 2. a batch never reads the rows parked in a tenant that is not active ---------------
@@ -257,17 +222,6 @@ def test_other_database_errors_are_neither_lost_nor_timeouts(db):
 # --- 6. the operator terminal bumps the generation -----------------------------------------
 
 
-def test_operator_mark_failed_leaves_the_live_holder_lease_lost(db):
-    step = factories.Step(targets=1)
-    factories.committed(step)
-    lease, _ = services.claim_delivery(step.community.id, step.targets[0])
-    assert services.fail_deliveries(step.community.id, [lease.delivery_id]) == [lease.delivery_id]
-    assert services.finish_delivery(lease, Outcome.FINISHED) == LeaseLost()
-    assert services.renew_delivery(lease) == LeaseLost()
-    row = WorkflowAgentDelivery.objects.get(pk=lease.delivery_id)
-    assert (row.status, row.lease_generation) == ("failed", lease.generation + 1)
-
-
 # --- 7. the behaviour each lock and check gives -------------------------------------------
 
 
@@ -419,31 +373,6 @@ def test_one_call_commit_waits_for_an_open_identity_block_of_the_same_step(worke
         assert len(first.result(timeout=30)) == 2
     assert second.result(timeout=30) == []
     assert WorkflowAgentDelivery.objects.filter(run=step.run).count() == 2
-
-
-def test_release_leaves_pending_and_settled_rows_as_they_are(db):
-    step = factories.Step(targets=3)
-    ids = [d.id for d in factories.committed(step)]
-    held, _ = services.claim_delivery(step.community.id, step.targets[0])
-    settled, _ = services.claim_delivery(step.community.id, step.targets[1])
-    services.finish_delivery(settled, Outcome.FINISHED)
-    before = {
-        row["id"]: row
-        for row in WorkflowAgentDelivery.objects.filter(id__in=ids).values(
-            "id", "status", "lease_generation", "finished_at"
-        )
-    }
-    assert services.release_deliveries(step.community.id, ids) == [held.delivery_id]
-    after = {
-        row["id"]: row
-        for row in WorkflowAgentDelivery.objects.filter(id__in=ids).values(
-            "id", "status", "lease_generation", "finished_at"
-        )
-    }
-    pending_id = next(i for i in ids if i not in (held.delivery_id, settled.delivery_id))
-    assert after[pending_id] == before[pending_id]
-    assert after[settled.delivery_id] == before[settled.delivery_id]
-    assert after[held.delivery_id]["status"] == "pending"
 
 
 # --- 10. one lifecycle step at a time ------------------------------------------------------

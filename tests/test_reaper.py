@@ -13,13 +13,7 @@ import pytest
 from django.db import connection
 
 from tests import factories
-from tests.locks import (
-    QUICK,
-    expire_all,
-    key_of,
-    statuses,
-    wait_until_blocked,
-)
+from tests.locks import QUICK, expire_all, key_of, statuses, wait_until_blocked
 from tests.second_session import other
 from workflow_delivery import checks, fence, services
 from workflow_delivery.models import WorkflowAgentDelivery
