@@ -177,6 +177,7 @@ def psycopg2(session: nox.Session) -> None:
     ignored = ["test_hardening.py", "test_api.py", "test_api_fuzz.py", "test_api_live.py"]
     ignored += ["test_api_client.py", "test_mutant_guards.py", "test_reaper.py"]
     ignored += ["test_api_asgi.py", "test_operator.py", "test_database_errors.py"]
+    ignored += ["test_fence_locks.py"]
     _loudly(session, f"psycopg2 cell: also leaves out the modules {', '.join(ignored)}.")
     ignore = [f"--ignore=tests/{name}" for name in ignored]
     _pytest(session, "-m", "not psycopg3", *ignore, DATABASE_URL=LOCAL_URL)

@@ -8,11 +8,13 @@ import pytest
 from django.db import DatabaseError, connection, transaction
 
 from tests import factories
-from workflow_delivery import fence
+from workflow_delivery import fence, services
 from workflow_delivery.exceptions import (
+    CommunityWriteFenced,
     InvalidLifecycleTransition,
     IsolationLevelError,
     StaleFenceGeneration,
+    UnexpectedCommunityState,
 )
 from workflow_delivery.models import (
     Community,
@@ -299,3 +301,115 @@ def test_fence_parity_catches_a_tenant_table_whose_inserts_are_not_fenced(db, ra
         "EXECUTE FUNCTION wd_enforce_community_write_fence_on_insert()"
     )
     test_every_tenant_table_carries_the_fence_trigger(db, raw)
+
+
+def present(cursor, community: Community, *, local: bool) -> None:
+    cursor.execute(
+        "SELECT set_config('workflow_delivery.executor_community', %s, %s), "
+        "set_config('workflow_delivery.executor_generation', %s, %s)",
+        [str(community.id), local, str(community.deletion_fence_generation), local],
+    )
+
+
+def test_executor_settings_without_the_exclusive_lock_authorise_nothing(transactional_db):
+    step = factories.Step(targets=1)
+    factories.committed(step)
+    factories.move_to(step.community.id, "fenced")
+    frozen = Community.objects.get(pk=step.community.pk)
+    with pytest.raises(DatabaseError) as caught, transaction.atomic(), connection.cursor() as c:
+        present(c, frozen, local=True)
+        c.execute("DELETE FROM workflow_agent_deliveries WHERE community_id = %s", [frozen.id])
+    assert caught.value.__cause__.diag.constraint_name == "wd_community_write_fence"
+    assert WorkflowAgentDelivery.objects.filter(community=frozen).count() == 1
+
+
+@pytest.mark.django_db(transaction=True)
+def test_executor_settings_left_on_the_session_authorise_nothing_in_the_next_transaction():
+    step = factories.Step(targets=2)
+    factories.committed(step)
+    factories.move_to(step.community.id, "fenced")
+    frozen = Community.objects.get(pk=step.community.pk)
+    try:
+        with transaction.atomic(), connection.cursor() as c:
+            # A real executor's transaction, but presenting session-wide.
+            c.execute("SELECT pg_advisory_xact_lock(wd_community_deletion_key(%s))", [frozen.id])
+            c.execute(
+                "SELECT wd_present_executor(%s, %s)", [frozen.id, frozen.deletion_fence_generation]
+            )
+            present(c, frozen, local=False)
+            c.execute(
+                "DELETE FROM workflow_agent_deliveries "
+                "WHERE community_id = %s AND target_pubkey = %s",
+                [frozen.id, step.targets[0]],
+            )
+        # Next transaction on the same (pooled) connection: the settings are still
+        # there, the lock is gone.
+        with (
+            pytest.raises(DatabaseError) as caught,
+            transaction.atomic(),
+            connection.cursor() as c,
+        ):
+            c.execute("SELECT current_setting('workflow_delivery.executor_community')")
+            assert c.fetchone()[0] == str(frozen.id)
+            c.execute("DELETE FROM workflow_agent_deliveries WHERE community_id = %s", [frozen.id])
+        assert caught.value.__cause__.diag.constraint_name == "wd_community_write_fence"
+    finally:
+        with connection.cursor() as c:
+            c.execute("RESET workflow_delivery.executor_community")
+            c.execute("RESET workflow_delivery.executor_generation")
+    assert WorkflowAgentDelivery.objects.filter(community=frozen).count() == 1
+
+
+@pytest.mark.parametrize(
+    ("path", "target"),
+    [(["active"], "fenced"), (["active"], "tombstone"), (["quiescing"], "tombstone")],
+)
+def test_a_lifecycle_step_cannot_be_skipped(db, raw, path, target):
+    owner = factories.community()
+    factories.move_to(owner.id, path[-1])
+    before = Community.objects.get(pk=owner.pk)
+    with pytest.raises(InvalidLifecycleTransition):
+        fence.transition_community(owner.id, target)
+    with pytest.raises(DatabaseError) as caught, transaction.atomic(), connection.cursor() as c:
+        c.execute("UPDATE communities SET deletion_state = %s WHERE id = %s", [target, owner.id])
+    assert caught.value.__cause__.diag.constraint_name == "wd_community_lifecycle_forward"
+    after = Community.objects.get(pk=owner.pk)
+    assert (after.deletion_state, after.deletion_fence_generation) == (
+        before.deletion_state,
+        before.deletion_fence_generation,
+    )
+
+
+def test_a_transition_from_a_state_the_caller_did_not_read_is_refused(db):
+    owner = factories.community()
+    fence.transition_community(owner.id, "quiescing")
+    fence.transition_community(owner.id, "active")  # cancelled meanwhile
+    with pytest.raises(UnexpectedCommunityState, match="is active, not quiescing"):
+        fence.transition_community(owner.id, "quiescing", expected="quiescing")
+    assert Community.objects.get(pk=owner.pk).deletion_state == "active"
+    assert fence.transition_community(owner.id, "quiescing", expected="active") == 3
+
+
+def test_a_fenced_write_names_its_community(db):
+    step = factories.Step(targets=1)
+    factories.move_to(step.community.id, "quiescing")
+    with pytest.raises(CommunityWriteFenced) as caught:
+        services.commit_deliveries(step.community.id, step.created_at, step.new_deliveries())
+    assert caught.value.community_id == step.community.id
+
+
+@pytest.mark.django_db(transaction=True)
+def test_reversing_0006_restores_the_rules_of_0003():
+    from django.core.management import call_command
+
+    try:
+        call_command("migrate", "workflow_delivery", "0005", verbosity=0)
+        owner = factories.community()
+        with connection.cursor() as c:
+            # 0003's lifecycle: any forward move, a skipped step included.
+            c.execute("UPDATE communities SET deletion_state = 'fenced' WHERE id = %s", [owner.id])
+    finally:
+        call_command("migrate", "workflow_delivery", verbosity=0)
+    skipping = factories.community()
+    with pytest.raises(DatabaseError), transaction.atomic(), connection.cursor() as c:
+        c.execute("UPDATE communities SET deletion_state = 'fenced' WHERE id = %s", [skipping.id])

@@ -9,29 +9,24 @@ from __future__ import annotations
 import threading
 import time
 import uuid
-from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
-import psycopg
 import pytest
 from django.db import DatabaseError, connection, transaction
 
 from tests import factories
 from tests.locks import QUICK, wait_until_blocked
 from tests.second_session import other
-from workflow_delivery import checks, fence, services
+from workflow_delivery import checks, services
 from workflow_delivery.conf import LEASE_SECONDS_BOUND
 from workflow_delivery.exceptions import (
-    CommunityWriteFenced,
     InvalidLeaseSeconds,
-    InvalidLifecycleTransition,
     IsolationLevelError,
     ProtocolError,
     StepIdentityClosed,
     StepMessageConflict,
-    UnexpectedCommunityState,
 )
-from workflow_delivery.models import Community, Workflow, WorkflowAgentDelivery
+from workflow_delivery.models import WorkflowAgentDelivery
 from workflow_delivery.protocol import Lease, LeaseLost, NewDelivery, Outcome, Renewed
 
 # --- 1. a sweep never waits on a tenant ----------------------------------------------------
@@ -62,63 +57,6 @@ def test_a_step_of_ten_thousand_targets_commits_whole(db, path):
 # --- 4. the executor proves itself by the exclusive lock -----------------------------------
 
 
-def present(cursor, community: Community, *, local: bool) -> None:
-    cursor.execute(
-        "SELECT set_config('workflow_delivery.executor_community', %s, %s), "
-        "set_config('workflow_delivery.executor_generation', %s, %s)",
-        [str(community.id), local, str(community.deletion_fence_generation), local],
-    )
-
-
-def test_executor_settings_without_the_exclusive_lock_authorise_nothing(transactional_db):
-    step = factories.Step(targets=1)
-    factories.committed(step)
-    factories.move_to(step.community.id, "fenced")
-    frozen = Community.objects.get(pk=step.community.pk)
-    with pytest.raises(DatabaseError) as caught, transaction.atomic(), connection.cursor() as c:
-        present(c, frozen, local=True)
-        c.execute("DELETE FROM workflow_agent_deliveries WHERE community_id = %s", [frozen.id])
-    assert caught.value.__cause__.diag.constraint_name == "wd_community_write_fence"
-    assert WorkflowAgentDelivery.objects.filter(community=frozen).count() == 1
-
-
-@pytest.mark.django_db(transaction=True)
-def test_executor_settings_left_on_the_session_authorise_nothing_in_the_next_transaction():
-    step = factories.Step(targets=2)
-    factories.committed(step)
-    factories.move_to(step.community.id, "fenced")
-    frozen = Community.objects.get(pk=step.community.pk)
-    try:
-        with transaction.atomic(), connection.cursor() as c:
-            # A real executor's transaction, but presenting session-wide.
-            c.execute("SELECT pg_advisory_xact_lock(wd_community_deletion_key(%s))", [frozen.id])
-            c.execute(
-                "SELECT wd_present_executor(%s, %s)", [frozen.id, frozen.deletion_fence_generation]
-            )
-            present(c, frozen, local=False)
-            c.execute(
-                "DELETE FROM workflow_agent_deliveries "
-                "WHERE community_id = %s AND target_pubkey = %s",
-                [frozen.id, step.targets[0]],
-            )
-        # Next transaction on the same (pooled) connection: the settings are still
-        # there, the lock is gone.
-        with (
-            pytest.raises(DatabaseError) as caught,
-            transaction.atomic(),
-            connection.cursor() as c,
-        ):
-            c.execute("SELECT current_setting('workflow_delivery.executor_community')")
-            assert c.fetchone()[0] == str(frozen.id)
-            c.execute("DELETE FROM workflow_agent_deliveries WHERE community_id = %s", [frozen.id])
-        assert caught.value.__cause__.diag.constraint_name == "wd_community_write_fence"
-    finally:
-        with connection.cursor() as c:
-            c.execute("RESET workflow_delivery.executor_community")
-            c.execute("RESET workflow_delivery.executor_generation")
-    assert WorkflowAgentDelivery.objects.filter(community=frozen).count() == 1
-
-
 # --- 5. errors by SQLSTATE ----------------------------------------------------------------
 
 
@@ -142,103 +80,6 @@ def test_claim_takes_the_next_row_at_once_while_the_oldest_is_locked(lock_timeou
         assert time.monotonic() - started < QUICK
         claimer.rollback()
     assert record.id == later.id
-
-
-def writer_past_the_fence(step: factories.Step) -> Callable[[], list[uuid.UUID]]:
-    """A producer that committed nothing yet: its rows are inserted, the fence passed."""
-    ready, release = threading.Event(), threading.Event()
-
-    def produce() -> list[uuid.UUID]:
-        try:
-            with transaction.atomic():
-                created = services.commit_deliveries(
-                    step.community.id, step.created_at, step.new_deliveries()
-                )
-                ready.set()
-                release.wait(30)
-            return created
-        finally:
-            connection.close()
-
-    pool = ThreadPoolExecutor(max_workers=1)
-    future = pool.submit(produce)
-    assert ready.wait(30)
-
-    def finish() -> list[uuid.UUID]:
-        release.set()
-        try:
-            return future.result(timeout=30)
-        finally:
-            pool.shutdown()
-
-    return finish
-
-
-def test_deletion_waits_for_a_writer_past_the_fence_and_the_purge_sees_its_rows(worker):
-    step = factories.Step(targets=3)
-    finish_writer = writer_past_the_fence(step)
-
-    def delete_tenant() -> dict[str, int]:
-        generation = fence.transition_community(step.community.id, "quiescing")
-        generation = fence.transition_community(step.community.id, "fenced")
-        return fence.purge_community(step.community.id, generation)
-
-    deleting = worker.submit(delete_tenant)
-    wait_until_blocked(worker.pid)
-    assert not deleting.done()
-    assert len(finish_writer()) == 3
-    deleted = deleting.result(timeout=30)
-    assert deleted["workflow_agent_deliveries"] == 3
-    assert not WorkflowAgentDelivery.objects.filter(community=step.community).exists()
-
-
-def test_a_direct_state_update_waits_for_a_writer_past_the_fence(worker):
-    step = factories.Step(targets=2)
-    finish_writer = writer_past_the_fence(step)
-
-    def raw_transition() -> None:
-        with connection.cursor() as c:
-            c.execute(
-                "UPDATE communities SET deletion_state = 'quiescing' WHERE id = %s",
-                [step.community.id],
-            )
-
-    moving = worker.submit(raw_transition)
-    wait_until_blocked(worker.pid)
-    assert Community.objects.get(pk=step.community.pk).deletion_state == "active"
-    assert len(finish_writer()) == 2
-    moving.result(timeout=30)
-    assert Community.objects.get(pk=step.community.pk).deletion_state == "quiescing"
-
-
-def test_a_transition_waits_for_a_transaction_that_asked_community_write_allowed(worker):
-    owner = factories.community()
-    with other() as reader:
-        assert reader.execute("SELECT community_write_allowed(%s)", [owner.id]).fetchone()[0]
-        moving = worker.submit(fence.transition_community, owner.id, "quiescing")
-        wait_until_blocked(worker.pid)
-        assert Community.objects.get(pk=owner.pk).deletion_state == "active"
-        reader.commit()
-    assert moving.result(timeout=30) == 1
-
-
-@pytest.mark.django_db(transaction=True)
-def test_a_repeatable_read_writer_cannot_write_into_a_tenant_fenced_after_its_snapshot():
-    step = factories.Step(targets=1)
-    with other() as writer:
-        writer.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ")
-        writer.execute("SELECT count(*) FROM communities")  # the snapshot is taken here
-        factories.move_to(step.community.id, "fenced")
-        with pytest.raises(psycopg.Error) as caught:
-            writer.execute(
-                "INSERT INTO workflows (id, community_id, name, owner_pubkey, definition, "
-                "status, created_at, updated_at) VALUES (gen_random_uuid(), %s, 'late', %s, "
-                "'{}', 'active', now(), now())",
-                [step.community.id, factories.key32()],
-            )
-        writer.rollback()
-    assert "READ COMMITTED" in str(caught.value)
-    assert Workflow.objects.filter(community=step.community).count() == 1
 
 
 @pytest.mark.django_db(transaction=True)
@@ -279,36 +120,6 @@ def test_one_call_commit_waits_for_an_open_identity_block_of_the_same_step(worke
 
 
 # --- 10. one lifecycle step at a time ------------------------------------------------------
-
-
-@pytest.mark.parametrize(
-    ("path", "target"),
-    [(["active"], "fenced"), (["active"], "tombstone"), (["quiescing"], "tombstone")],
-)
-def test_a_lifecycle_step_cannot_be_skipped(db, raw, path, target):
-    owner = factories.community()
-    factories.move_to(owner.id, path[-1])
-    before = Community.objects.get(pk=owner.pk)
-    with pytest.raises(InvalidLifecycleTransition):
-        fence.transition_community(owner.id, target)
-    with pytest.raises(DatabaseError) as caught, transaction.atomic(), connection.cursor() as c:
-        c.execute("UPDATE communities SET deletion_state = %s WHERE id = %s", [target, owner.id])
-    assert caught.value.__cause__.diag.constraint_name == "wd_community_lifecycle_forward"
-    after = Community.objects.get(pk=owner.pk)
-    assert (after.deletion_state, after.deletion_fence_generation) == (
-        before.deletion_state,
-        before.deletion_fence_generation,
-    )
-
-
-def test_a_transition_from_a_state_the_caller_did_not_read_is_refused(db):
-    owner = factories.community()
-    fence.transition_community(owner.id, "quiescing")
-    fence.transition_community(owner.id, "active")  # cancelled meanwhile
-    with pytest.raises(UnexpectedCommunityState, match="is active, not quiescing"):
-        fence.transition_community(owner.id, "quiescing", expected="quiescing")
-    assert Community.objects.get(pk=owner.pk).deletion_state == "active"
-    assert fence.transition_community(owner.id, "quiescing", expected="active") == 3
 
 
 # --- 11. a step stays one step --------------------------------------------------------------
@@ -421,14 +232,6 @@ def test_a_lease_of_bad_values_is_a_protocol_error(field, value):
     assert caught.value.field == field
 
 
-def test_a_fenced_write_names_its_community(db):
-    step = factories.Step(targets=1)
-    factories.move_to(step.community.id, "quiescing")
-    with pytest.raises(CommunityWriteFenced) as caught:
-        services.commit_deliveries(step.community.id, step.created_at, step.new_deliveries())
-    assert caught.value.community_id == step.community.id
-
-
 # --- 8 and 13: lease bounds and intervals ------------------------------------------------
 
 
@@ -466,20 +269,3 @@ def test_a_lease_at_the_bound_is_handed_out_and_a_longer_one_is_refused(db, sett
 
 
 # --- migration 0006 is reversible ----------------------------------------------------------
-
-
-@pytest.mark.django_db(transaction=True)
-def test_reversing_0006_restores_the_rules_of_0003():
-    from django.core.management import call_command
-
-    try:
-        call_command("migrate", "workflow_delivery", "0005", verbosity=0)
-        owner = factories.community()
-        with connection.cursor() as c:
-            # 0003's lifecycle: any forward move, a skipped step included.
-            c.execute("UPDATE communities SET deletion_state = 'fenced' WHERE id = %s", [owner.id])
-    finally:
-        call_command("migrate", "workflow_delivery", verbosity=0)
-    skipping = factories.community()
-    with pytest.raises(DatabaseError), transaction.atomic(), connection.cursor() as c:
-        c.execute("UPDATE communities SET deletion_state = 'fenced' WHERE id = %s", [skipping.id])

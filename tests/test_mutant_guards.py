@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import time
 
-import psycopg
 import pytest
-from django.db import connection, transaction
+from django.db import connection
 
 from tests import factories
 from tests.second_session import other
 from tests.test_consumer import Running, consumer_for
-from workflow_delivery import fence, services
+from workflow_delivery import services
 from workflow_delivery.models import WorkflowAgentDelivery
 
 
@@ -42,70 +41,6 @@ def test_a_claim_takes_the_next_pending_row_while_the_oldest_is_locked():
                 cursor.execute("RESET lock_timeout")
     assert claimed is not None
     assert claimed[0].delivery_id == newer
-
-
-# Raw writes, so only the fence's own trigger guards them: the app's statements take the
-# shared deletion lock themselves before they lock a row. The timeline is off: its
-# entries are written under the same lock, which would take it for the trigger.
-_RAW_WRITES = {
-    "claim": (
-        "UPDATE workflow_agent_deliveries SET status = 'claimed', "
-        "lease_generation = lease_generation + 1, claimed_at = now(), "
-        "lease_until = now() + interval '1 minute' WHERE community_id = %s"
-    ),
-    "delete": "DELETE FROM workflow_agent_deliveries WHERE community_id = %s",
-    "run": "UPDATE workflow_runs SET id = id WHERE community_id = %s",
-}
-
-
-def _timeline_off(conn) -> None:
-    conn.execute("SELECT set_config('workflow_delivery.timeline', 'off', false)")
-
-
-@pytest.mark.django_db(transaction=True)
-@pytest.mark.parametrize("write", list(_RAW_WRITES))
-def test_a_write_past_the_fence_holds_back_the_deletion_lock_to_its_commit(write):
-    step = factories.Step(targets=2)
-    factories.committed(step)
-    with other() as conn:
-        try:
-            _timeline_off(conn)
-            conn.execute(_RAW_WRITES[write], [step.community.id])
-            with transaction.atomic(), connection.cursor() as cursor:
-                cursor.execute(
-                    "SELECT pg_try_advisory_xact_lock(wd_community_deletion_key(%s))",
-                    [step.community.id],
-                )
-                assert cursor.fetchone()[0] is False
-        finally:
-            conn.rollback()
-    # Once the write has ended, the executor's lock is free.
-    assert fence.begin_deletion(step.community.id) >= 1
-
-
-@pytest.mark.django_db(transaction=True)
-@pytest.mark.parametrize("write", list(_RAW_WRITES))
-def test_a_write_waits_for_a_deletion_in_progress_and_is_then_refused(write):
-    step = factories.Step(targets=2)
-    factories.committed(step)
-    with other() as conn:
-        try:
-            _timeline_off(conn)
-            conn.commit()
-            with transaction.atomic():
-                # The transition holds the exclusive lock until this block commits.
-                fence.begin_deletion(step.community.id)
-                conn.execute("SET LOCAL lock_timeout = '1s'")
-                # The write waits for the transition (a lock timeout ends the wait),
-                # never reading the community as still active.
-                with pytest.raises(psycopg.errors.LockNotAvailable):
-                    conn.execute(_RAW_WRITES[write], [step.community.id])
-                conn.rollback()
-            with pytest.raises(psycopg.errors.ObjectNotInPrerequisiteState) as refused:
-                conn.execute(_RAW_WRITES[write], [step.community.id])
-            assert refused.value.diag.constraint_name == "wd_community_write_fence"
-        finally:
-            conn.rollback()
 
 
 @pytest.mark.django_db(transaction=True)
