@@ -1,4 +1,5 @@
-"""Behaviours only a targeted test pins: each fails if its guard is removed."""
+"""A claim never waits on a row another session has locked: it takes the next pending one
+at once."""
 
 from __future__ import annotations
 
@@ -8,10 +9,26 @@ import pytest
 from django.db import connection
 
 from tests import factories
+from tests.locks import QUICK
 from tests.second_session import other
-from tests.test_consumer import Running, consumer_for
 from workflow_delivery import services
 from workflow_delivery.models import WorkflowAgentDelivery
+
+
+def test_claim_takes_the_next_row_at_once_while_the_oldest_is_locked(lock_timeout):
+    step = factories.Step(targets=1)
+    first = factories.committed(step)[0]
+    second = factories.Step(owner=step.community, targets=step.targets, step_id="step-2")
+    later = factories.committed(second)[0]
+    with other() as claimer:
+        claimer.execute(
+            "SELECT 1 FROM workflow_agent_deliveries WHERE id = %s FOR UPDATE", [first.id]
+        )
+        started = time.monotonic()
+        _, record = services.claim_delivery(step.community.id, step.targets[0])
+        assert time.monotonic() - started < QUICK
+        claimer.rollback()
+    assert record.id == later.id
 
 
 @pytest.mark.django_db(transaction=True)
@@ -41,26 +58,3 @@ def test_a_claim_takes_the_next_pending_row_while_the_oldest_is_locked():
                 cursor.execute("RESET lock_timeout")
     assert claimed is not None
     assert claimed[0].delivery_id == newer
-
-
-@pytest.mark.django_db(transaction=True)
-def test_a_renew_that_meets_the_handlers_own_block_leaves_the_lease_live():
-    step = factories.Step(targets=1)
-    (delivery,) = factories.committed(step)
-    seen_lost: list[bool] = []
-
-    def long_block(record, lease, context) -> None:
-        # The block holds the row across at least one beat (every 2/3 s), whose renew
-        # then times out behind it: busy, and the lease still the handler's. The block
-        # does not settle, so the consumer finishes the delivery after the handler.
-        with context.holding():
-            time.sleep(1.5)
-        seen_lost.append(context.lost.is_set())
-
-    consumer = consumer_for(step, long_block, lease_seconds=2, max_deliveries=1)
-    with Running(consumer) as running:
-        stats = running.join(20)
-    assert stats.renew_busy >= 1, stats
-    assert seen_lost == [False]
-    assert stats.finished == 1 and stats.lost == 0, stats
-    assert WorkflowAgentDelivery.objects.get(pk=delivery.id).status == "finished"
