@@ -13,6 +13,7 @@ import pytest
 from django.db import DatabaseError, connection, transaction
 
 from tests import factories
+from tests.delivery_rows import COPY_DELIVERIES, counts, run_raw
 from tests.locks import wait_until_blocked
 from workflow_delivery import services
 from workflow_delivery.exceptions import (
@@ -125,3 +126,44 @@ def test_step_identity_commit_after_its_block_is_refused(db):
     with pytest.raises(StepIdentityClosed, match="block has closed"):
         identity.commit(step.created_at, step.new_deliveries())
     assert not WorkflowAgentDelivery.objects.filter(run=step.run).exists()
+
+
+@pytest.mark.django_db
+def test_a_retry_with_another_message_is_refused():
+    """Every row of the retry is skipped, yet the row trigger saw each before."""
+    step = factories.Step(targets=2)
+    factories.committed(step)
+    other = factories.message(step.community, step.targets)
+    retry = [
+        NewDelivery(uuid.uuid4(), step.binding(target, message_event_id=bytes(other.id)))
+        for target in step.targets
+    ]
+    before = counts()
+    with pytest.raises(StepMessageConflict, match=bytes(other.id).hex()):
+        services.commit_deliveries(step.community.id, other.created_at, retry)
+    with (
+        pytest.raises(StepMessageConflict),
+        services.delivery_identity(step.community.id, step.run.id, step.step_id) as identity,
+    ):
+        identity.commit(other.created_at, retry)
+    assert counts() == before
+
+
+@pytest.mark.django_db
+def test_one_statement_giving_a_new_step_two_messages_is_refused():
+    step = factories.Step(targets=2)
+    factories.committed(step)
+    other = factories.message(step.community, step.targets)
+    before = counts()
+    # The copies form a new step; the second copy carries another message.
+    two_messages = COPY_DELIVERIES.replace(
+        "message_event_id, message_event_created_at, cause_kind,\n       cause_event_id",
+        "CASE WHEN target_pubkey = %s THEN %s ELSE message_event_id END, "
+        "message_event_created_at, cause_kind,\n       cause_event_id",
+        1,
+    )
+    assert two_messages != COPY_DELIVERIES
+    with pytest.raises(DatabaseError) as caught:
+        run_raw(two_messages, [step.targets[1], bytes(other.id), [str(step.community.id)]])
+    assert caught.value.__cause__.diag.constraint_name == "wd_delivery_one_message_per_step"
+    assert counts() == before

@@ -8,6 +8,7 @@ import pytest
 from django.db import DatabaseError, connection, transaction
 
 from tests import factories
+from tests.delivery_rows import COPY_DELIVERIES, counts, run_raw
 from workflow_delivery import fence, services
 from workflow_delivery.exceptions import (
     CommunityWriteFenced,
@@ -413,3 +414,101 @@ def test_reversing_0006_restores_the_rules_of_0003():
     skipping = factories.community()
     with pytest.raises(DatabaseError), transaction.atomic(), connection.cursor() as c:
         c.execute("UPDATE communities SET deletion_state = 'fenced' WHERE id = %s", [skipping.id])
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize("state", ["quiescing", "fenced", "tombstone"])
+def test_one_statement_writing_to_an_active_and_a_frozen_community_writes_nothing(state):
+    healthy, frozen = factories.Step(targets=3), factories.Step(targets=2)
+    factories.committed(healthy)
+    factories.committed(frozen)
+    factories.move_to(frozen.community.id, state)
+    before = counts()
+    with pytest.raises(DatabaseError) as caught:
+        run_raw(COPY_DELIVERIES, [[str(healthy.community.id), str(frozen.community.id)]])
+    error = caught.value.__cause__
+    assert error.diag.constraint_name == "wd_community_write_fence"
+    assert error.diag.table_name == "workflow_agent_deliveries"
+    assert f"{frozen.community.id} ({frozen.community.host}) is {state}" in str(error)
+    assert "INSERT on workflow_agent_deliveries" in str(error)
+    assert counts() == before
+
+
+@pytest.mark.django_db
+def test_the_executor_of_a_fenced_community_may_still_insert():
+    step = factories.Step(targets=2)
+    factories.committed(step)
+    factories.move_to(step.community.id, "quiescing")
+    factories.move_to(step.community.id, "fenced")
+    generation = Community.objects.get(pk=step.community.pk).deletion_fence_generation
+    before = counts()
+    with fence.executor_writes(step.community.id, generation), connection.cursor() as cursor:
+        cursor.execute(COPY_DELIVERIES, [[str(step.community.id)]])
+    assert counts() == (before[0] + 2, before[1])
+
+
+@pytest.mark.django_db
+def test_a_retry_into_a_frozen_community_is_refused_by_the_service():
+    """Every row of the retry is skipped, so no row reaches the statement trigger: the
+    producer's statement asks the fence itself."""
+    step = factories.Step(targets=3)
+    deliveries = factories.committed(step)
+    factories.move_to(step.community.id, "quiescing")
+    before = counts()
+    with pytest.raises(CommunityWriteFenced, match=str(step.community.id)):
+        services.commit_deliveries(step.community.id, step.created_at, deliveries)
+    with (
+        pytest.raises(CommunityWriteFenced),
+        services.delivery_identity(step.community.id, step.run.id, step.step_id) as identity,
+    ):
+        assert identity.exists
+        identity.commit(step.created_at, deliveries)
+    assert counts() == before
+
+
+@pytest.mark.django_db
+def test_a_raw_insert_whose_every_row_is_skipped_writes_nothing_in_a_frozen_community():
+    """What migration 0010 gives up: such a statement is no longer refused, because it
+    writes nothing for the fence to refuse."""
+    step = factories.Step(targets=2)
+    factories.committed(step)
+    factories.move_to(step.community.id, "fenced")
+    before = counts()
+    skipped = COPY_DELIVERIES.replace("step_id || '-copy'", "step_id").replace(
+        "gen_random_uuid()", "id"
+    )
+    assert run_raw(skipped + " ON CONFLICT DO NOTHING", [[str(step.community.id)]]) == 0
+    assert counts() == before
+
+
+PER_STATEMENT = [
+    "wd_require_community_write",
+    "wd_enforce_community_write_fence_on_insert",
+]
+
+
+NOT_FOR_INSERTS = ["wd_enforce_community_write_fence", "wd_record_delivery_departure"]
+
+
+@pytest.mark.django_db
+def test_a_large_step_runs_the_fence_once_per_statement_and_the_timeline_never():
+    """The fence, counted by PostgreSQL's own function statistics for this
+    transaction: no call per row, and none of the timeline's function."""
+    step = factories.Step(targets=2000)
+    with connection.cursor() as cursor:
+        cursor.execute("SET LOCAL track_functions = 'pl'")
+        created = services.commit_deliveries(
+            step.community.id, step.created_at, step.new_deliveries()
+        )
+        cursor.execute(
+            "SELECT funcname, calls FROM pg_stat_xact_user_functions WHERE funcname = ANY(%s)",
+            [PER_STATEMENT + NOT_FOR_INSERTS],
+        )
+        calls = dict(cursor.fetchall())
+    assert len(created) == 2000
+    # The service's statement asks the fence itself, and the deliveries' statement
+    # trigger asks again.
+    assert calls == {
+        "wd_require_community_write": 2,
+        "wd_enforce_community_write_fence_on_insert": 1,
+    }
