@@ -18,7 +18,7 @@ import pytest
 from django.db import connection, transaction
 
 from tests import factories
-from tests.test_consumer import Running, consumer_for
+from tests.consumers import Running, consumer_for
 from workflow_delivery import services, sql
 from workflow_delivery.exceptions import LeaseLostError, ProtocolError
 from workflow_delivery.models import WorkflowAgentDelivery

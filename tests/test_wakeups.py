@@ -17,7 +17,7 @@ from django.core.management.base import SystemCheckError
 from django.db import connection, transaction
 
 from tests import factories
-from tests.test_consumer import Recorder, Running, consumer_for, eventually, started, status
+from tests.consumers import Recorder, Running, consumer_for, eventually, started, status
 from workflow_delivery import services
 from workflow_delivery.exceptions import CommunityWriteFenced
 from workflow_delivery.models import IdleWakeTarget
