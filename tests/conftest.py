@@ -3,9 +3,11 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
+from django.contrib.auth.models import Permission
 from django.db import connection
 
 from tests import factories
+from tests.admin_pages import VIEW_PERMISSIONS
 from tests.locks import LOCK_TIMEOUT, Worker
 
 
@@ -35,3 +37,12 @@ def lock_timeout(transactional_db) -> Iterator[None]:
     yield
     with connection.cursor() as cursor:
         cursor.execute("RESET lock_timeout")
+
+
+@pytest.fixture
+def viewer(client, django_user_model):
+    """A staff user who may view everything and run no action."""
+    user = django_user_model.objects.create_user("viewer", is_staff=True)
+    user.user_permissions.set(Permission.objects.filter(codename__in=VIEW_PERMISSIONS))
+    client.force_login(user)
+    return user
