@@ -174,9 +174,9 @@ def psycopg2(session: nox.Session) -> None:
     )
     # Modules that open psycopg 3 connections of their own at import (second sessions,
     # the API's live-server helpers) cannot even be collected here.
-    ignored = ["test_hardening.py", "test_api.py", "test_api_fuzz.py", "test_api_live.py"]
-    ignored += ["test_api_client.py", "test_mutant_guards.py", "test_reaper_progress.py"]
-    ignored += ["test_api_asgi.py"]
+    ignored = ["test_api.py", "test_api_fuzz.py", "test_api_live.py", "test_api_client.py"]
+    ignored += ["test_api_asgi.py", "test_claim.py", "test_database_errors.py"]
+    ignored += ["test_fence_locks.py", "test_operator.py", "test_reaper.py"]
     _loudly(session, f"psycopg2 cell: also leaves out the modules {', '.join(ignored)}.")
     ignore = [f"--ignore=tests/{name}" for name in ignored]
     _pytest(session, "-m", "not psycopg3", *ignore, DATABASE_URL=LOCAL_URL)

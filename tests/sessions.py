@@ -1,4 +1,5 @@
-"""What the test database's server sees of sessions besides the test's own."""
+"""The sessions on the test database's server: which the server sees besides the test's own,
+the backend of the calling thread, and ending one from a second connection."""
 
 from __future__ import annotations
 
@@ -24,3 +25,21 @@ def listening_sessions() -> int:
             "AND application_name = 'workflow_delivery wake listener'"
         )
         return cursor.fetchone()[0]
+
+
+def backend_pid() -> int:
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT pg_backend_pid()")
+        return cursor.fetchone()[0]
+
+
+def terminate(pid: int) -> None:
+    """End a backend from a second connection, opened and closed here."""
+    other = connection.get_new_connection(connection.get_connection_params())
+    try:
+        other.autocommit = True
+        with other.cursor() as cursor:
+            cursor.execute("SELECT pg_terminate_backend(%s)", [pid])
+            assert cursor.fetchone()[0] is True
+    finally:
+        other.close()

@@ -3,82 +3,29 @@ filters, and operator actions that go through the services and the fence."""
 
 from __future__ import annotations
 
-import uuid
-
 import pytest
 from django.contrib.admin.models import CHANGE, LogEntry
-from django.contrib.auth.models import Permission
 from django.db import connection
 from django.test.utils import CaptureQueriesContext
 from django.urls import reverse
 
 from tests import factories
+from tests.admin_pages import (
+    change,
+    changelist,
+    claim,
+    committed,
+    delivery,
+    expire,
+    grant,
+    listed,
+    run_action,
+)
 from workflow_delivery import fence, services
 from workflow_delivery.models import Community, Event, WorkflowAgentDelivery
-from workflow_delivery.protocol import DeliveryStatus, Lease, LeaseLost, Outcome
+from workflow_delivery.protocol import DeliveryStatus, LeaseLost, Outcome
 
 pytestmark = pytest.mark.django_db
-
-VIEW_PERMISSIONS = ["view_workflowagentdelivery", "view_community", "view_event"]
-
-
-def changelist(model: type) -> str:
-    return reverse(f"admin:workflow_delivery_{model._meta.model_name}_changelist")
-
-
-def change(model: type, object_id: object) -> str:
-    return reverse(f"admin:workflow_delivery_{model._meta.model_name}_change", args=[object_id])
-
-
-def committed(step: factories.Step) -> list[uuid.UUID]:
-    return services.commit_deliveries(step.community.id, step.created_at, step.new_deliveries())
-
-
-def claim(step: factories.Step, target: bytes) -> Lease:
-    lease, _ = services.claim_delivery(step.community.id, target)
-    return lease
-
-
-def expire(raw, delivery_id: uuid.UUID) -> None:
-    """Stand in for time passing: the lease ran out a second ago by the database clock."""
-    raw.execute(
-        "UPDATE workflow_agent_deliveries SET lease_until = now() - interval '1 second' "
-        "WHERE id = %s",
-        [delivery_id],
-    )
-
-
-def delivery(delivery_id: uuid.UUID) -> WorkflowAgentDelivery:
-    return WorkflowAgentDelivery.objects.get(pk=delivery_id)
-
-
-def run_action(client, model: type, action: str, ids: list) -> list[str]:
-    response = client.post(
-        changelist(model),
-        {"action": action, "_selected_action": [str(i) for i in ids], "index": 0},
-        follow=True,
-    )
-    assert response.status_code == 200
-    return [str(message) for message in response.context["messages"]]
-
-
-def listed(client, query: str = "", **params: str) -> list[uuid.UUID]:
-    response = client.get(changelist(WorkflowAgentDelivery), {"q": query, **params})
-    assert response.status_code == 200
-    return [row.pk for row in response.context["cl"].result_list]
-
-
-@pytest.fixture
-def viewer(client, django_user_model):
-    """A staff user who may view everything and run no action."""
-    user = django_user_model.objects.create_user("viewer", is_staff=True)
-    user.user_permissions.set(Permission.objects.filter(codename__in=VIEW_PERMISSIONS))
-    client.force_login(user)
-    return user
-
-
-def grant(user, codename: str) -> None:
-    user.user_permissions.add(Permission.objects.get(codename=codename))
 
 
 def test_superuser_sees_the_delivery_list_and_a_detail_with_every_field(admin_client, step):

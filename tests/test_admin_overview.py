@@ -11,7 +11,7 @@ from django.db.models import Count
 from django.urls import reverse
 
 from tests import factories
-from tests.test_admin import (
+from tests.admin_pages import (
     change,
     changelist,
     claim,
@@ -21,7 +21,6 @@ from tests.test_admin import (
     listed,
     run_action,
 )
-from tests.test_admin import viewer as staff_viewer
 from workflow_delivery import fence, services
 from workflow_delivery.models import DeliveryTransition, WorkflowAgentDelivery
 
@@ -112,9 +111,6 @@ def test_the_12_hex_prefix_the_list_shows_finds_the_targets_deliveries(admin_cli
     assert listed(admin_client, prefix.upper()) == [ids[0]]
     assert listed(admin_client, step.targets[0].hex()) == [ids[0]]
     assert listed(admin_client, prefix[:11]) == []  # not whole bytes: no key match
-
-
-viewer = staff_viewer
 
 
 def test_reap_now_needs_no_selection_and_its_own_permission(client, viewer, raw):

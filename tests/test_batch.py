@@ -12,7 +12,7 @@ from django.db import connection, transaction
 from django.test import override_settings
 
 from tests import factories
-from tests.test_concurrency import (
+from tests.races import (
     Session,
     begin,
     commit,

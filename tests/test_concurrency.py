@@ -10,17 +10,24 @@ import threading
 import time
 import uuid
 from collections import Counter, defaultdict
-from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import datetime
 from itertools import pairwise
-from typing import Any
 
 import pytest
 from django.db import connection, transaction
 
 from tests import factories
+from tests.races import (
+    GIVE_UP_SECONDS,
+    Session,
+    begin,
+    commit,
+    limit_lock_waits,
+    run_together,
+    scalar,
+    state,
+)
 from workflow_delivery import services
 from workflow_delivery.models import WorkflowAgentDelivery
 from workflow_delivery.protocol import (
@@ -42,71 +49,6 @@ pytestmark = pytest.mark.django_db(transaction=True)
 WORKERS = 8
 TARGETS = 4
 STEPS = 90  # x TARGETS = 360 deliveries
-GIVE_UP_SECONDS = 120
-LOCK_TIMEOUT = "10s"
-
-
-def run_together(parties: int, work: Callable[[int], Any]) -> list[Any]:
-    """Run ``work(index)`` on ``parties`` threads released at once by a barrier.
-    Each thread has its own Django connection and closes it when done."""
-    barrier = threading.Barrier(parties, timeout=30)
-
-    def party(index: int) -> Any:
-        try:
-            barrier.wait()
-            return work(index)
-        finally:
-            close_connection()
-
-    with ThreadPoolExecutor(max_workers=parties) as pool:
-        futures = [pool.submit(party, index) for index in range(parties)]
-        return [future.result(timeout=GIVE_UP_SECONDS + 30) for future in futures]
-
-
-class Session:
-    """A second connection, driven one call at a time from the test.
-
-    Every call runs on one dedicated thread, so every call uses that thread's own
-    Django connection; ``close()`` closes it there.
-    """
-
-    def __init__(self) -> None:
-        self._thread = ThreadPoolExecutor(max_workers=1)
-        self.call(limit_lock_waits)
-
-    def submit(self, function: Callable[..., Any], *args: Any) -> Future:
-        return self._thread.submit(function, *args)
-
-    def call(self, function: Callable[..., Any], *args: Any) -> Any:
-        return self.submit(function, *args).result(timeout=30)
-
-    def close(self) -> None:
-        try:
-            self.call(close_connection)
-        finally:
-            self._thread.shutdown()
-
-
-def close_connection() -> None:
-    """Close the calling thread's connection (``connection`` resolves per thread)."""
-    connection.close()
-
-
-def scalar(statement: str, params: list | None = None) -> Any:
-    with connection.cursor() as cursor:
-        cursor.execute(statement, params or [])
-        return cursor.fetchone()[0]
-
-
-def begin() -> datetime:
-    """Open a transaction on this thread's connection; return its now()."""
-    transaction.set_autocommit(False)
-    return scalar("SELECT now()")
-
-
-def commit() -> None:
-    transaction.commit()
-    transaction.set_autocommit(True)
 
 
 def end_leases_at(instant: datetime, *delivery_ids: uuid.UUID) -> None:
@@ -117,30 +59,12 @@ def end_leases_at(instant: datetime, *delivery_ids: uuid.UUID) -> None:
         )
 
 
-def wait_until_blocked(pid: int) -> None:
-    """Return once backend ``pid`` waits for a lock; fail if it never does."""
-    for _ in range(1000):
-        if scalar("SELECT EXISTS (SELECT 1 FROM pg_locks WHERE pid = %s AND NOT granted)", [pid]):
-            return
-        time.sleep(0.01)
-    pytest.fail(f"backend {pid} never waited for the row lock")
-
-
-def limit_lock_waits() -> None:
-    """A statement that waits for a lock it should have skipped fails instead of hanging."""
-    scalar("SELECT set_config('lock_timeout', %s, false)", [LOCK_TIMEOUT])
-
-
 @pytest.fixture
 def lock_timeout(transactional_db):
     limit_lock_waits()
     yield
     with connection.cursor() as cursor:
         cursor.execute("RESET lock_timeout")
-
-
-def state(delivery_id: uuid.UUID) -> dict:
-    return WorkflowAgentDelivery.objects.values("status", "lease_generation").get(pk=delivery_id)
 
 
 # --- many holders, one reaper ------------------------------------------------------------

@@ -16,27 +16,16 @@ from pathlib import Path
 import pytest
 from django.db import connections
 
+from tests.markdown_examples import blocks
+
 ROOT = Path(__file__).resolve().parent.parent
 PAGES = sorted([ROOT / "README.md", *(ROOT / "docs").rglob("*.md")])
 PAGES = [page for page in PAGES if "_build" not in page.parts]
 TUTORIAL = ROOT / "docs" / "tutorial.md"
 
-BLOCK = re.compile(r"<!-- example: ([\w, -]+) -->\n```python\n(.*?)```", re.S)
-TAGS = {"run", "setup", "settings", "lifecycle", "http", "first"}
-
 # Worker threads of the consumer examples open connections of their own: the rows
 # must be committed.
 pytestmark = pytest.mark.django_db(transaction=True)
-
-
-def blocks(page: Path) -> list[tuple[set[str], str]]:
-    found = []
-    for tags, code in BLOCK.findall(page.read_text()):
-        names = {tag.strip() for tag in tags.split(",")}
-        unknown = names - TAGS
-        assert not unknown, f"{page.name}: unknown example tags {sorted(unknown)}"
-        found.append((names, code))
-    return found
 
 
 def _runnable(page: Path) -> list[str]:

@@ -8,11 +8,14 @@ import pytest
 from django.db import DatabaseError, connection, transaction
 
 from tests import factories
-from workflow_delivery import fence
+from tests.delivery_rows import COPY_DELIVERIES, counts, run_raw
+from workflow_delivery import fence, services
 from workflow_delivery.exceptions import (
+    CommunityWriteFenced,
     InvalidLifecycleTransition,
     IsolationLevelError,
     StaleFenceGeneration,
+    UnexpectedCommunityState,
 )
 from workflow_delivery.models import (
     Community,
@@ -299,3 +302,213 @@ def test_fence_parity_catches_a_tenant_table_whose_inserts_are_not_fenced(db, ra
         "EXECUTE FUNCTION wd_enforce_community_write_fence_on_insert()"
     )
     test_every_tenant_table_carries_the_fence_trigger(db, raw)
+
+
+def present(cursor, community: Community, *, local: bool) -> None:
+    cursor.execute(
+        "SELECT set_config('workflow_delivery.executor_community', %s, %s), "
+        "set_config('workflow_delivery.executor_generation', %s, %s)",
+        [str(community.id), local, str(community.deletion_fence_generation), local],
+    )
+
+
+def test_executor_settings_without_the_exclusive_lock_authorise_nothing(transactional_db):
+    step = factories.Step(targets=1)
+    factories.committed(step)
+    factories.move_to(step.community.id, "fenced")
+    frozen = Community.objects.get(pk=step.community.pk)
+    with pytest.raises(DatabaseError) as caught, transaction.atomic(), connection.cursor() as c:
+        present(c, frozen, local=True)
+        c.execute("DELETE FROM workflow_agent_deliveries WHERE community_id = %s", [frozen.id])
+    assert caught.value.__cause__.diag.constraint_name == "wd_community_write_fence"
+    assert WorkflowAgentDelivery.objects.filter(community=frozen).count() == 1
+
+
+@pytest.mark.django_db(transaction=True)
+def test_executor_settings_left_on_the_session_authorise_nothing_in_the_next_transaction():
+    step = factories.Step(targets=2)
+    factories.committed(step)
+    factories.move_to(step.community.id, "fenced")
+    frozen = Community.objects.get(pk=step.community.pk)
+    try:
+        with transaction.atomic(), connection.cursor() as c:
+            # A real executor's transaction, but presenting session-wide.
+            c.execute("SELECT pg_advisory_xact_lock(wd_community_deletion_key(%s))", [frozen.id])
+            c.execute(
+                "SELECT wd_present_executor(%s, %s)", [frozen.id, frozen.deletion_fence_generation]
+            )
+            present(c, frozen, local=False)
+            c.execute(
+                "DELETE FROM workflow_agent_deliveries "
+                "WHERE community_id = %s AND target_pubkey = %s",
+                [frozen.id, step.targets[0]],
+            )
+        # Next transaction on the same (pooled) connection: the settings are still
+        # there, the lock is gone.
+        with (
+            pytest.raises(DatabaseError) as caught,
+            transaction.atomic(),
+            connection.cursor() as c,
+        ):
+            c.execute("SELECT current_setting('workflow_delivery.executor_community')")
+            assert c.fetchone()[0] == str(frozen.id)
+            c.execute("DELETE FROM workflow_agent_deliveries WHERE community_id = %s", [frozen.id])
+        assert caught.value.__cause__.diag.constraint_name == "wd_community_write_fence"
+    finally:
+        with connection.cursor() as c:
+            c.execute("RESET workflow_delivery.executor_community")
+            c.execute("RESET workflow_delivery.executor_generation")
+    assert WorkflowAgentDelivery.objects.filter(community=frozen).count() == 1
+
+
+@pytest.mark.parametrize(
+    ("path", "target"),
+    [(["active"], "fenced"), (["active"], "tombstone"), (["quiescing"], "tombstone")],
+)
+def test_a_lifecycle_step_cannot_be_skipped(db, raw, path, target):
+    owner = factories.community()
+    factories.move_to(owner.id, path[-1])
+    before = Community.objects.get(pk=owner.pk)
+    with pytest.raises(InvalidLifecycleTransition):
+        fence.transition_community(owner.id, target)
+    with pytest.raises(DatabaseError) as caught, transaction.atomic(), connection.cursor() as c:
+        c.execute("UPDATE communities SET deletion_state = %s WHERE id = %s", [target, owner.id])
+    assert caught.value.__cause__.diag.constraint_name == "wd_community_lifecycle_forward"
+    after = Community.objects.get(pk=owner.pk)
+    assert (after.deletion_state, after.deletion_fence_generation) == (
+        before.deletion_state,
+        before.deletion_fence_generation,
+    )
+
+
+def test_a_transition_from_a_state_the_caller_did_not_read_is_refused(db):
+    owner = factories.community()
+    fence.transition_community(owner.id, "quiescing")
+    fence.transition_community(owner.id, "active")  # cancelled meanwhile
+    with pytest.raises(UnexpectedCommunityState, match="is active, not quiescing"):
+        fence.transition_community(owner.id, "quiescing", expected="quiescing")
+    assert Community.objects.get(pk=owner.pk).deletion_state == "active"
+    assert fence.transition_community(owner.id, "quiescing", expected="active") == 3
+
+
+def test_a_fenced_write_names_its_community(db):
+    step = factories.Step(targets=1)
+    factories.move_to(step.community.id, "quiescing")
+    with pytest.raises(CommunityWriteFenced) as caught:
+        services.commit_deliveries(step.community.id, step.created_at, step.new_deliveries())
+    assert caught.value.community_id == step.community.id
+
+
+@pytest.mark.django_db(transaction=True)
+def test_reversing_0006_restores_the_rules_of_0003():
+    from django.core.management import call_command
+
+    try:
+        call_command("migrate", "workflow_delivery", "0005", verbosity=0)
+        owner = factories.community()
+        with connection.cursor() as c:
+            # 0003's lifecycle: any forward move, a skipped step included.
+            c.execute("UPDATE communities SET deletion_state = 'fenced' WHERE id = %s", [owner.id])
+    finally:
+        call_command("migrate", "workflow_delivery", verbosity=0)
+    skipping = factories.community()
+    with pytest.raises(DatabaseError), transaction.atomic(), connection.cursor() as c:
+        c.execute("UPDATE communities SET deletion_state = 'fenced' WHERE id = %s", [skipping.id])
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize("state", ["quiescing", "fenced", "tombstone"])
+def test_one_statement_writing_to_an_active_and_a_frozen_community_writes_nothing(state):
+    healthy, frozen = factories.Step(targets=3), factories.Step(targets=2)
+    factories.committed(healthy)
+    factories.committed(frozen)
+    factories.move_to(frozen.community.id, state)
+    before = counts()
+    with pytest.raises(DatabaseError) as caught:
+        run_raw(COPY_DELIVERIES, [[str(healthy.community.id), str(frozen.community.id)]])
+    error = caught.value.__cause__
+    assert error.diag.constraint_name == "wd_community_write_fence"
+    assert error.diag.table_name == "workflow_agent_deliveries"
+    assert f"{frozen.community.id} ({frozen.community.host}) is {state}" in str(error)
+    assert "INSERT on workflow_agent_deliveries" in str(error)
+    assert counts() == before
+
+
+@pytest.mark.django_db
+def test_the_executor_of_a_fenced_community_may_still_insert():
+    step = factories.Step(targets=2)
+    factories.committed(step)
+    factories.move_to(step.community.id, "quiescing")
+    factories.move_to(step.community.id, "fenced")
+    generation = Community.objects.get(pk=step.community.pk).deletion_fence_generation
+    before = counts()
+    with fence.executor_writes(step.community.id, generation), connection.cursor() as cursor:
+        cursor.execute(COPY_DELIVERIES, [[str(step.community.id)]])
+    assert counts() == (before[0] + 2, before[1])
+
+
+@pytest.mark.django_db
+def test_a_retry_into_a_frozen_community_is_refused_by_the_service():
+    """Every row of the retry is skipped, so no row reaches the statement trigger: the
+    producer's statement asks the fence itself."""
+    step = factories.Step(targets=3)
+    deliveries = factories.committed(step)
+    factories.move_to(step.community.id, "quiescing")
+    before = counts()
+    with pytest.raises(CommunityWriteFenced, match=str(step.community.id)):
+        services.commit_deliveries(step.community.id, step.created_at, deliveries)
+    with (
+        pytest.raises(CommunityWriteFenced),
+        services.delivery_identity(step.community.id, step.run.id, step.step_id) as identity,
+    ):
+        assert identity.exists
+        identity.commit(step.created_at, deliveries)
+    assert counts() == before
+
+
+@pytest.mark.django_db
+def test_a_raw_insert_whose_every_row_is_skipped_writes_nothing_in_a_frozen_community():
+    """A statement-level fence sees no row to refuse: such a statement succeeds, and
+    it writes nothing."""
+    step = factories.Step(targets=2)
+    factories.committed(step)
+    factories.move_to(step.community.id, "fenced")
+    before = counts()
+    skipped = COPY_DELIVERIES.replace("step_id || '-copy'", "step_id").replace(
+        "gen_random_uuid()", "id"
+    )
+    assert run_raw(skipped + " ON CONFLICT DO NOTHING", [[str(step.community.id)]]) == 0
+    assert counts() == before
+
+
+PER_STATEMENT = [
+    "wd_require_community_write",
+    "wd_enforce_community_write_fence_on_insert",
+]
+
+
+NOT_FOR_INSERTS = ["wd_enforce_community_write_fence", "wd_record_delivery_departure"]
+
+
+@pytest.mark.django_db
+def test_a_large_step_runs_the_fence_once_per_statement_and_the_timeline_never():
+    """The fence, counted by PostgreSQL's own function statistics for this
+    transaction: no call per row, and none of the timeline's function."""
+    step = factories.Step(targets=2000)
+    with connection.cursor() as cursor:
+        cursor.execute("SET LOCAL track_functions = 'pl'")
+        created = services.commit_deliveries(
+            step.community.id, step.created_at, step.new_deliveries()
+        )
+        cursor.execute(
+            "SELECT funcname, calls FROM pg_stat_xact_user_functions WHERE funcname = ANY(%s)",
+            [PER_STATEMENT + NOT_FOR_INSERTS],
+        )
+        calls = dict(cursor.fetchall())
+    assert len(created) == 2000
+    # The service's statement asks the fence itself, and the deliveries' statement
+    # trigger asks again.
+    assert calls == {
+        "wd_require_community_write": 2,
+        "wd_enforce_community_write_fence_on_insert": 1,
+    }

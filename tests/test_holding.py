@@ -18,6 +18,7 @@ import pytest
 from django.db import connection, transaction
 
 from tests import factories
+from tests.consumers import Running, consumer_for
 from workflow_delivery import services, sql
 from workflow_delivery.exceptions import LeaseNotLive, ProtocolError
 from workflow_delivery.models import WorkflowAgentDelivery
@@ -277,3 +278,26 @@ def test_a_holder_gives_back_only_its_own_live_lease(step):
     assert services.release_lease(stale) is False
     assert status_of(fresh) == DeliveryStatus.CLAIMED
     assert services.finish_delivery(fresh, "finished") == Settled(Outcome.FINISHED)
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_renew_that_meets_the_handlers_own_block_leaves_the_lease_live():
+    step = factories.Step(targets=1)
+    (delivery,) = factories.committed(step)
+    seen_lost: list[bool] = []
+
+    def long_block(record, lease, context) -> None:
+        # The block holds the row across at least one beat (every 2/3 s), whose renew
+        # then times out behind it: busy, and the lease still the handler's. The block
+        # does not settle, so the consumer finishes the delivery after the handler.
+        with context.holding():
+            time.sleep(1.5)
+        seen_lost.append(context.lost.is_set())
+
+    consumer = consumer_for(step, long_block, lease_seconds=2, max_deliveries=1)
+    with Running(consumer) as running:
+        stats = running.join(20)
+    assert stats.renew_busy >= 1, stats
+    assert seen_lost == [False]
+    assert stats.finished == 1 and stats.lost == 0, stats
+    assert WorkflowAgentDelivery.objects.get(pk=delivery.id).status == "finished"

@@ -17,6 +17,7 @@ import pytest
 from django.db import DatabaseError, InterfaceError, OperationalError, connection
 
 from tests import factories
+from tests.sessions import backend_pid, terminate
 from workflow_delivery import fence, services
 from workflow_delivery.exceptions import CommunityWriteFenced, WorkflowDeliveryError
 from workflow_delivery.models import Community, Event, WorkflowAgentDelivery, WorkflowRun
@@ -295,24 +296,6 @@ def test_random_bytes_as_keys_and_ids_miss(db):
         assert services.claim_delivery(uuid.uuid4(), step.targets[0]) is None
         assert services.get_delivery(step.community.id, uuid.uuid4()) is None
     assert snapshot() == before
-
-
-def backend_pid() -> int:
-    with connection.cursor() as cursor:
-        cursor.execute("SELECT pg_backend_pid()")
-        return cursor.fetchone()[0]
-
-
-def terminate(pid: int) -> None:
-    """End a backend from a second connection, opened and closed here."""
-    other = connection.get_new_connection(connection.get_connection_params())
-    try:
-        other.autocommit = True
-        with other.cursor() as cursor:
-            cursor.execute("SELECT pg_terminate_backend(%s)", [pid])
-            assert cursor.fetchone()[0] is True
-    finally:
-        other.close()
 
 
 def step_rows(step: factories.Step) -> tuple[int, int, int]:

@@ -15,7 +15,7 @@ from django.db import OperationalError, connection, transaction
 from django.test import override_settings
 
 from tests import factories
-from tests.test_hostile_input import backend_pid, terminate
+from tests.sessions import backend_pid, terminate
 from workflow_delivery import fence, lane, services
 from workflow_delivery.exceptions import (
     CommunityWriteFenced,

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.test_docs_examples import blocks
+from tests.markdown_examples import blocks
 from workflow_delivery.history import delivery_history
 from workflow_delivery.models import WorkflowAgentDelivery
 

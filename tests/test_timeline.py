@@ -1,203 +1,42 @@
-"""Attempts and the cap (kept by the database), and each delivery's history: the
-timeline rows the database writes for every departure from the usual life (raw
-UPDATEs too, fenced and cascaded), merged with the commit, claim and settle the row
-implies."""
+"""Each delivery's history: the timeline rows the database writes for every departure
+from the usual life (raw UPDATEs too, fenced and cascaded), merged with the commit, claim
+and settle the row implies. The usual life (commit, claim, the holder's settle) never calls
+the recording function, a departure calls it once for its row, a pending commit stores no
+entry and one under a named actor stores one; a delivery's key never changes."""
 
 from __future__ import annotations
 
 import re
 import uuid
-from io import StringIO
 
 import pytest
-from django.core.management import call_command
 from django.db import connection, transaction
 from django.test import override_settings
 from django.urls import reverse
 
 from tests import factories
-from workflow_delivery import fence, history, services, sql
-from workflow_delivery.exceptions import CommunityWriteFenced, ConstraintViolation
+from tests.delivery_rows import (
+    COPY_DELIVERIES,
+    claim,
+    entries,
+    expire,
+    one_delivery,
+    raw_sql,
+    row,
+    run_raw,
+    run_with_a_reap,
+    stored,
+    timeline,
+)
+from workflow_delivery import fence, history, services
+from workflow_delivery.exceptions import (
+    CommunityWriteFenced,
+    ConstraintViolation,
+)
 from workflow_delivery.models import DeliveryTransition, WorkflowAgentDelivery
-from workflow_delivery.protocol import LeaseLost, Reaped, Settled
+from workflow_delivery.protocol import Outcome
 
 pytestmark = pytest.mark.django_db
-
-
-def one_delivery() -> tuple[factories.Step, uuid.UUID]:
-    step = factories.Step(targets=1)
-    (delivery,) = factories.committed(step)
-    return step, delivery.id
-
-
-def claim(step: factories.Step):
-    claimed = services.claim_delivery(step.community.id, step.targets[0], lease_seconds=60)
-    assert claimed is not None
-    return claimed[0]
-
-
-def expire(delivery_id: uuid.UUID) -> None:
-    with connection.cursor() as cursor:
-        cursor.execute(
-            "UPDATE workflow_agent_deliveries SET lease_until = now() - interval '1 second' "
-            "WHERE id = %s",
-            [delivery_id],
-        )
-
-
-def row(delivery_id: uuid.UUID) -> dict:
-    return WorkflowAgentDelivery.objects.values(
-        "status", "attempts", "lease_generation", "finished_at", "lease_until"
-    ).get(pk=delivery_id)
-
-
-def entries(delivery_id: uuid.UUID) -> list[history.HistoryEntry]:
-    """The delivery's history as the admin shows it."""
-    return history.delivery_history(WorkflowAgentDelivery.objects.get(pk=delivery_id))
-
-
-def timeline(delivery_id: uuid.UUID) -> list[tuple]:
-    return [
-        (e.kind, e.status_before, e.status_after, e.generation, e.actor)
-        for e in entries(delivery_id)
-    ]
-
-
-def stored(delivery_id: uuid.UUID) -> list[str]:
-    """The kinds of the timeline rows actually stored, oldest first."""
-    rows = DeliveryTransition.objects.filter(delivery_id=delivery_id).order_by("id")
-    return list(rows.values_list("kind", flat=True))
-
-
-def raw_sql(statement: str, params: list) -> None:
-    """A statement as a site's own SQL would send it; errors named by their constraint."""
-    with transaction.atomic(), sql.database_errors(), connection.cursor() as cursor:
-        cursor.execute(statement, params)
-
-
-# --- attempts ---------------------------------------------------------------------------
-
-
-def test_each_claim_counts_one_attempt_and_other_writes_count_none():
-    step, delivery_id = one_delivery()
-    assert row(delivery_id)["attempts"] == 0
-    lease = claim(step)
-    assert row(delivery_id)["attempts"] == 1
-    services.renew_delivery(lease, lease_seconds=30)
-    expire(delivery_id)
-    assert services.reap_deliveries() == Reaped(reclaimed=1)
-    assert row(delivery_id)["attempts"] == 1
-    lease = claim(step)
-    assert services.finish_delivery(lease, "finished") == Settled(outcome="finished")
-    assert row(delivery_id)["attempts"] == 2
-
-
-def test_a_raw_claim_counts_an_attempt_whatever_it_writes_to_attempts():
-    _, delivery_id = one_delivery()
-    raw_sql(
-        "UPDATE workflow_agent_deliveries SET status = 'claimed', attempts = 7, "
-        "lease_generation = lease_generation + 1, claimed_at = now(), "
-        "lease_until = now() + interval '1 minute' WHERE id = %s",
-        [delivery_id],
-    )
-    assert row(delivery_id)["attempts"] == 1
-
-
-@pytest.mark.parametrize("value", [0, 5])
-def test_attempts_cannot_change_outside_a_claim(value):
-    step, delivery_id = one_delivery()
-    claim(step)
-    with pytest.raises(ConstraintViolation) as caught:
-        raw_sql(
-            "UPDATE workflow_agent_deliveries SET attempts = %s WHERE id = %s", [value, delivery_id]
-        )
-    assert caught.value.constraint == "wd_delivery_attempts_count_claims"
-    assert row(delivery_id)["attempts"] == 1
-
-
-def test_attempts_cannot_be_negative():
-    _, delivery_id = one_delivery()
-    with pytest.raises(ConstraintViolation) as caught:
-        raw_sql("UPDATE workflow_agent_deliveries SET attempts = -1 WHERE id = %s", [delivery_id])
-    assert caught.value.constraint == "wd_delivery_attempts_nonneg"
-
-
-def test_a_new_delivery_starts_with_no_attempts():
-    _, delivery_id = one_delivery()
-    with pytest.raises(ConstraintViolation) as caught:
-        raw_sql(
-            "INSERT INTO workflow_agent_deliveries (id, community_id, workflow_id, run_id, "
-            "step_id, target_pubkey, definition_event_id, message_event_id, "
-            "message_event_created_at, cause_kind, cause_event_id, attempts) "
-            "SELECT %s, community_id, workflow_id, run_id, 'other', target_pubkey, "
-            "definition_event_id, message_event_id, message_event_created_at, cause_kind, "
-            "cause_event_id, 3 FROM workflow_agent_deliveries WHERE id = %s",
-            [uuid.uuid4(), delivery_id],
-        )
-    assert caught.value.constraint == "wd_delivery_attempts_count_claims"
-
-
-# --- the cap ------------------------------------------------------------------------------
-
-
-def claim_and_expire(step: factories.Step, delivery_id: uuid.UUID) -> None:
-    claim(step)
-    expire(delivery_id)
-
-
-@override_settings(WORKFLOW_DELIVERY_MAX_ATTEMPTS=3)
-def test_the_reaper_fails_a_delivery_whose_last_attempt_expired():
-    step, delivery_id = one_delivery()
-    for _ in range(2):  # reclaimed max - 1 times: back to pending each time
-        claim_and_expire(step, delivery_id)
-        assert services.reap_deliveries() == Reaped(reclaimed=1, exhausted=0)
-        assert row(delivery_id)["status"] == "pending"
-    lease = claim(step)
-    expire(delivery_id)
-    assert services.reap_deliveries() == Reaped(reclaimed=0, exhausted=1)
-    settled = row(delivery_id)
-    assert settled["status"] == "failed"
-    assert settled["finished_at"] is not None and settled["lease_until"] is None
-    assert settled["lease_generation"] == lease.generation + 1
-    # The holder of the last attempt is fenced out, and the failure is terminal.
-    assert services.finish_delivery(lease, "finished") == LeaseLost()
-    assert services.claim_delivery(step.community.id, step.targets[0]) is None
-    assert timeline(delivery_id)[-1][:3] == ("attempts_exhausted", "claimed", "failed")
-
-
-@override_settings(WORKFLOW_DELIVERY_MAX_ATTEMPTS=None)
-def test_without_a_cap_the_reaper_never_fails_a_delivery():
-    step, delivery_id = one_delivery()
-    for _ in range(25):
-        claim_and_expire(step, delivery_id)
-        assert services.reap_deliveries() == Reaped(reclaimed=1)
-    assert row(delivery_id) | {"attempts": 25, "status": "pending"} == row(delivery_id)
-
-
-@override_settings(WORKFLOW_DELIVERY_MAX_ATTEMPTS=1)
-def test_the_cap_spares_live_leases_and_fenced_communities():
-    live_step, live_id = one_delivery()
-    claim(live_step)
-    fenced_step, fenced_id = one_delivery()
-    claim_and_expire(fenced_step, fenced_id)
-    fence.begin_deletion(fenced_step.community.id)
-    assert services.reap_deliveries() == Reaped()
-    assert row(live_id)["status"] == row(fenced_id)["status"] == "claimed"
-
-
-@override_settings(WORKFLOW_DELIVERY_MAX_ATTEMPTS=1)
-def test_the_reaper_command_reports_the_failed_by_the_cap():
-    step, delivery_id = one_delivery()
-    claim_and_expire(step, delivery_id)
-    out = StringIO()
-    call_command("reap_deliveries", stdout=out)
-    assert "settled failed 1 expired leases of deliveries that had used every attempt" in (
-        out.getvalue()
-    )
-    assert "reclaimed 0 expired leases" in out.getvalue()
-
-
-# --- the timeline ---------------------------------------------------------------------------
 
 
 def test_each_transition_is_one_row_with_its_generation_and_actor(admin_user):
@@ -426,13 +265,6 @@ def test_the_executor_purges_the_timeline_of_a_fenced_community():
     assert not WorkflowAgentDelivery.objects.filter(community_id=step.community.id).exists()
 
 
-def run_with_a_reap(step: factories.Step, delivery_id: uuid.UUID) -> None:
-    claim(step)
-    expire(delivery_id)
-    services.reap_deliveries()
-    services.finish_delivery(claim(step), "finished")
-
-
 def test_the_timeline_can_be_turned_off_for_the_apps_sessions(settings):
     """Off, no row is written: the history is what the row itself says (its commit,
     last claim and settle), and the claims it cannot show are counted."""
@@ -456,6 +288,175 @@ def test_the_timeline_can_be_turned_off_for_the_apps_sessions(settings):
     ]  # fmt: skip
     delivery = WorkflowAgentDelivery.objects.get(pk=other_id)
     assert history.unrecorded_attempts(entries(other_id), delivery) == 0
+
+
+TARGETS = 40
+
+
+def calls_during(action) -> dict[str, int]:
+    """PostgreSQL's count of calls of the rules' functions while ``action`` runs, in
+    the test's transaction."""
+    names = ["wd_record_delivery_departure", "wd_enforce_community_write_fence"]
+    with connection.cursor() as cursor:
+        cursor.execute("SET LOCAL track_functions = 'pl'")
+        cursor.execute(
+            "SELECT funcname, calls FROM pg_stat_xact_user_functions WHERE funcname = ANY(%s)",
+            [names],
+        )
+        before = dict(cursor.fetchall())
+        action()
+        cursor.execute(
+            "SELECT funcname, calls FROM pg_stat_xact_user_functions WHERE funcname = ANY(%s)",
+            [names],
+        )
+        after = dict(cursor.fetchall())
+    return {name: after.get(name, 0) - before.get(name, 0) for name in names}
+
+
+def kind_entries(step: factories.Step, kind: str) -> list[tuple]:
+    rows = DeliveryTransition.objects.filter(community_id=step.community.id, kind=kind)
+    return list(rows.values_list("status_before", "status_after", "generation", "actor"))
+
+
+def claimed_step() -> factories.Step:
+    step = factories.Step(targets=TARGETS)
+    factories.committed(step)
+    for target in step.targets:
+        assert services.claim_delivery(step.community.id, target) is not None
+    return step
+
+
+def test_a_reaper_batch_records_every_lease_it_takes_with_its_claim():
+    step = claimed_step()
+    WorkflowAgentDelivery.objects.filter(community_id=step.community.id).update(
+        lease_until="2000-01-01T00:00:00Z"
+    )
+    reaped = []
+    calls = calls_during(lambda: reaped.append(services.reap_expired_deliveries(batch_size=500)))
+    assert reaped == [TARGETS]
+    assert calls == {
+        "wd_record_delivery_departure": TARGETS,
+        "wd_enforce_community_write_fence": TARGETS,
+    }
+    assert kind_entries(step, "claimed") == [("pending", "claimed", 1, "holder")] * TARGETS
+    assert kind_entries(step, "reaped") == [("claimed", "pending", 2, "reaper")] * TARGETS
+    for delivery in WorkflowAgentDelivery.objects.filter(community_id=step.community.id):
+        claim = DeliveryTransition.objects.get(delivery_id=delivery.id, kind="claimed")
+        assert claim.at == delivery.last_claimed_at
+
+
+def test_the_usual_life_never_calls_the_recording_function():
+    step = factories.Step(targets=1)
+    commits = calls_during(lambda: [factories.committed(step)])
+    claims = []
+    calls = calls_during(
+        lambda: claims.extend(
+            services.claim_deliveries(step.community.id, step.targets[0], limit=5)
+        )
+    )
+    assert len(claims) == 1
+    settles = calls_during(
+        lambda: services.finish_deliveries([(lease, Outcome.FINISHED) for lease, _ in claims])
+    )
+    assert [c["wd_record_delivery_departure"] for c in (commits, calls, settles)] == [0, 0, 0]
+    assert DeliveryTransition.objects.filter(community_id=step.community.id).count() == 0
+
+
+def test_a_batch_claim_and_finish_show_each_delivery_once():
+    step = factories.Step(targets=1)
+    for n in range(5):
+        factories.committed(step)
+        step.step_id = f"step-{n + 2}"
+    claims = services.claim_deliveries(step.community.id, step.targets[0], limit=5)
+    assert len(claims) == 5
+    services.finish_deliveries([(lease, Outcome.FAILED) for lease, _ in claims])
+    for delivery in WorkflowAgentDelivery.objects.filter(community_id=step.community.id):
+        shown = [
+            (e.kind, e.status_before, e.status_after, e.generation, e.actor)
+            for e in history.delivery_history(delivery)
+        ]
+        assert shown == [
+            ("committed", None, "pending", 0, "producer"),
+            ("claimed", "pending", "claimed", 1, "holder"),
+            ("failed", "claimed", "failed", 1, "holder"),
+        ]
+
+
+def test_a_statement_changing_no_status_records_nothing():
+    step = claimed_step()
+    before = DeliveryTransition.objects.count()
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "UPDATE workflow_agent_deliveries SET lease_until = lease_until + interval '1 second' "
+            "WHERE community_id = %s",
+            [step.community.id],
+        )
+        assert cursor.rowcount == TARGETS
+    assert DeliveryTransition.objects.count() == before
+
+
+def test_a_deliverys_id_cannot_change():
+    with override_settings(WORKFLOW_DELIVERY_TIMELINE=False):
+        # No timeline entry refers to it, so no foreign key reports the change first.
+        step = factories.Step()
+        (delivery,) = factories.committed(step)
+    with pytest.raises(ConstraintViolation) as caught:
+        raw_sql(
+            "UPDATE workflow_agent_deliveries SET id = gen_random_uuid() WHERE id = %s",
+            [delivery.id],
+        )
+    assert caught.value.constraint == "wd_delivery_key_immutable"
+    assert services.get_delivery(step.community.id, delivery.id) is not None
+
+
+def test_a_statement_into_active_communities_stores_no_committed_entry():
+    first, second = factories.Step(targets=3), factories.Step(targets=4)
+    factories.committed(first)
+    factories.committed(second)
+    assert run_raw(COPY_DELIVERIES, [[str(first.community.id), str(second.community.id)]]) == 7
+    copies = WorkflowAgentDelivery.objects.filter(step_id__endswith="-copy")
+    assert copies.count() == 7
+    assert not DeliveryTransition.objects.filter(delivery__in=copies).exists()
+    for copy in copies:
+        (entry,) = history.delivery_history(copy)
+        # A raw statement names no actor: the producer is assumed.
+        assert (entry.kind, entry.status_after, entry.generation, entry.actor, entry.at) == (
+            "committed", "pending", 0, "producer", copy.created_at,
+        )  # fmt: skip
+
+
+def test_a_committed_entry_names_the_actor_the_session_set():
+    step = factories.Step(targets=2)
+    factories.committed(step)
+    with transaction.atomic(), connection.cursor() as cursor:
+        cursor.execute("SELECT set_config('workflow_delivery.actor', 'operator:ada', true)")
+        cursor.execute(COPY_DELIVERIES, [[str(step.community.id)]])
+    copies = WorkflowAgentDelivery.objects.filter(step_id__endswith="-copy")
+    assert set(
+        DeliveryTransition.objects.filter(delivery__in=copies).values_list("actor", flat=True)
+    ) == {"operator:ada"}
+
+
+def test_a_committed_entry_under_a_named_actor_is_stored_first():
+    step = factories.Step(targets=1)
+    factories.committed(step)
+    with transaction.atomic(), connection.cursor() as cursor:
+        cursor.execute("SELECT set_config('workflow_delivery.actor', 'operator:ada', true)")
+        cursor.execute(COPY_DELIVERIES, [[str(step.community.id)]])
+        # Transaction-local, and the test's transaction goes on.
+        cursor.execute("SELECT set_config('workflow_delivery.actor', '', true)")
+    copy = WorkflowAgentDelivery.objects.get(step_id__endswith="-copy")
+    services.finish_delivery(
+        services.claim_delivery(step.community.id, step.targets[0], delivery_id=copy.id)[0],
+        "finished",
+    )
+    copy.refresh_from_db()
+    shown = [(e.kind, e.actor, e.stored) for e in history.delivery_history(copy)]
+    assert shown == [
+        ("committed", "operator:ada", True),
+        ("claimed", "holder", False),
+        ("finished", "holder", False),
+    ]
 
 
 def shown_kinds(admin_client, delivery_id: uuid.UUID) -> tuple[list[str], str]:
