@@ -18,7 +18,7 @@ from functools import partial
 from typing import Any
 from uuid import UUID
 
-from django.db import DEFAULT_DB_ALIAS, DatabaseError, connections, transaction
+from django.db import DEFAULT_DB_ALIAS, DatabaseError, transaction
 
 from . import counters, db, sql
 from .conf import (
@@ -711,16 +711,9 @@ def reap_deliveries(
     def batch() -> int:
         nonlocal reclaimed, exhausted
         # Each batch is its own short transaction (unless the caller holds one), so a
-        # sweep never holds more than ``size`` row locks at once. The statement names
-        # the reaper as its actor; inside a caller's transaction that setting would
-        # outlive the batch, so there the block also clears it.
-        statement = sql.reap_batch(size, cap)
-        if connections[using].in_atomic_block:
-            with _transaction_as("reaper", using) as cursor:
-                cursor.execute(statement, [])
-                count, failed, locked = cursor.fetchone()
-        else:
-            ((count, failed, locked),) = db.fetch(using, statement, [])
+        # sweep never holds more than ``size`` row locks at once. The statement writes
+        # its own timeline entries and leaves no setting behind.
+        ((count, failed, locked),) = db.fetch(using, sql.reap_batch(size, cap), [])
         if locked and on_locked is not None:
             on_locked(list(locked))
         reclaimed += count - failed

@@ -52,6 +52,7 @@ COMMUNITIES = _q(Community._meta.db_table)
 REPLAYS = _q(AgentRequestReplay._meta.db_table)
 IDLE = _q(IdleWakeTarget._meta.db_table)
 AGENTS = _q(CommunityAgent._meta.db_table)
+TIMELINE = _q(DeliveryTransition._meta.db_table)
 
 # Columns of a delivery record, in the order ``db.record`` reads them.
 RECORD_COLUMNS = [
@@ -479,21 +480,29 @@ finished_at = CASE WHEN {_EXHAUSTED} THEN statement_timestamp() END
 # 4. ``expired``: the oldest expired rows of those communities only, by the reap
 #    index; rows a live holder has locked are skipped, not waited for.
 # Rows parked in a tenant that is not active are never read, so a batch costs what it
-# reclaims, not what is parked. The statement names its actor for the timeline
-# trigger (``actor``, evaluated before any row is written; transaction-local, so in
-# autocommit it ends with the statement). The answer: rows returned (reclaimed or,
-# with the cap, failed), how many of them the attempts cap failed, and the ids of the
-# tenants skipped locked.
+# reclaims, not what is parked.
+# 5. ``reaped``: the write, answering each row with the claim it ends (its time from
+#    the locked row: ``claimed_at`` goes with the lease).
+# 6. ``recorded``: the batch's timeline entries in one INSERT, unless the session's
+#    timeline is off: per row the claim it ends, unless an entry records it already
+#    (a claim under a named actor, a claimed commit), then ``reaped`` or
+#    ``attempts_exhausted`` by the reaper; claims first, so each comes before the
+#    entry that ends it. The timeline trigger passes these rows over: ``recording``
+#    turns ``workflow_delivery.recorded_by_statement`` on before any row is written,
+#    and the answer turns it off once every row is (it counts ``reaped`` first), so
+#    the setting never outlives the statement.
+# The answer: rows returned (reclaimed or, with the cap, failed), how many of them the
+# attempts cap failed, and the ids of the tenants skipped locked.
 _REAP_BATCH = f"""
-WITH actor AS MATERIALIZED (
-    SELECT set_config('workflow_delivery.actor', 'reaper', true) AS name
+WITH recording AS MATERIALIZED (
+    SELECT set_config('workflow_delivery.recorded_by_statement', 'on', true) AS name
 ),
 -- Rows another transaction holds (a holder inside holding() past its lease) are
 -- skipped before each LIMIT counts, so locked rows never fill a batch or a candidate
 -- slot and every unlocked expired lease is reachable.
 candidates AS MATERIALIZED (
     SELECT c.id, e.oldest
-      FROM actor, {COMMUNITIES} AS c
+      FROM recording, {COMMUNITIES} AS c
      CROSS JOIN LATERAL (
            SELECT r.lease_until AS oldest FROM {DELIVERIES} AS r
             WHERE r.community_id = c.id AND r.status = 'claimed'
@@ -513,7 +522,8 @@ open AS MATERIALIZED (
     SELECT id FROM tried WHERE CASE WHEN locked THEN community_write_allowed(id) ELSE false END
 ),
 expired AS (
-    SELECT d.id FROM {DELIVERIES} AS d
+    SELECT d.id, coalesce(d.last_claimed_at, d.claimed_at) AS claimed_at
+      FROM {DELIVERIES} AS d
      WHERE d.id IN (
            SELECT x.id FROM open
             CROSS JOIN LATERAL (
@@ -533,11 +543,39 @@ reaped AS (
        SET {_REAP_SET}
       FROM expired
      WHERE d.id = expired.id
-    RETURNING d.status = 'failed' AS exhausted
+    RETURNING d.community_id, d.id, d.status, d.lease_generation, d.attempts,
+              expired.claimed_at, d.status = 'failed' AS exhausted
+),
+recorded AS (
+    INSERT INTO {TIMELINE}
+        (community_id, delivery_id, at, kind, generation, attempts, status_before,
+         status_after, actor)
+    SELECT r.community_id, r.id, e.at, e.kind, e.generation, r.attempts, e.status_before,
+           e.status_after, e.actor
+      FROM reaped AS r
+     CROSS JOIN LATERAL (
+           VALUES (1, r.claimed_at, 'claimed', r.lease_generation - 1, 'pending', 'claimed',
+                   'holder'),
+                  (2, clock_timestamp(),
+                   CASE WHEN r.exhausted THEN 'attempts_exhausted' ELSE 'reaped' END,
+                   r.lease_generation, 'claimed', r.status, 'reaper')
+     ) AS e (n, at, kind, generation, status_before, status_after, actor)
+     WHERE current_setting('workflow_delivery.timeline', true) IS DISTINCT FROM 'off'
+       AND (e.n = 2 OR NOT EXISTS (
+           SELECT 1 FROM {TIMELINE} AS t
+            WHERE t.community_id = r.community_id AND t.delivery_id = r.id
+              AND t.status_after = 'claimed' AND t.attempts = r.attempts
+       ))
+     ORDER BY e.n
+),
+counted AS (
+    SELECT count(*) AS count, count(*) FILTER (WHERE exhausted) AS exhausted,
+           set_config('workflow_delivery.recorded_by_statement', 'off', true) AS name
+      FROM reaped
 )
-SELECT (SELECT count(*) FROM reaped),
-       (SELECT count(*) FROM reaped WHERE exhausted),
+SELECT counted.count, counted.exhausted,
        ARRAY(SELECT id FROM tried WHERE NOT locked ORDER BY id)
+  FROM counted
 """
 
 
