@@ -1,7 +1,8 @@
 """The timeline's triggers (migration 0017): the usual life (commit, claim, the holder's
 settle) never calls the recording function, a departure calls it once for its row and
-writes the claim it ends before itself; the reaper's statement writes the same entries
-itself, one INSERT a batch (migration 0018); a delivery's key never changes."""
+writes the claim it ends before itself; the reaper's and the operator's statements write
+the same entries themselves, one INSERT each (migration 0018); a delivery's key never
+changes."""
 
 from __future__ import annotations
 
@@ -183,6 +184,62 @@ def test_the_reapers_setting_ends_with_its_statement_inside_a_transaction():
     assert list(kinds.values_list("kind", flat=True)) == [
         "claimed", "reaped", "claimed", "released",
     ]  # fmt: skip
+
+
+def operator_batch(step: factories.Step) -> list:
+    """A pending delivery, one claimed by its holder (the claim implied) and one
+    claimed under a named actor (the claim stored). The deliveries, in target order."""
+    pending, held, named = (delivery.id for delivery in factories.committed(step))
+    assert services.claim_delivery(step.community.id, step.targets[1]) is not None
+    with transaction.atomic(), connection.cursor() as cursor:
+        cursor.execute("SELECT set_config('workflow_delivery.actor', 'operator:dan', true)")
+        cursor.execute(
+            "UPDATE workflow_agent_deliveries SET status = 'claimed', claimed_at = now(), "
+            "lease_until = now() + interval '1 minute', lease_generation = 1 WHERE id = %s",
+            [named],
+        )
+        cursor.execute("SELECT set_config('workflow_delivery.actor', '', true)")
+    return [pending, held, named]
+
+
+@pytest.mark.parametrize("action", ["release", "fail"])
+def test_an_operator_batch_records_in_its_statement_what_the_trigger_would(action):
+    by_service, by_trigger = factories.Step(targets=3), factories.Step(targets=3)
+    service_ids, raw_ids = operator_batch(by_service), operator_batch(by_trigger)
+    act = services.release_deliveries if action == "release" else services.fail_deliveries
+    done = []
+    calls = calls_during(
+        lambda: done.extend(act(by_service.community.id, service_ids, operator="alice"))
+    )
+    moved = service_ids[1:] if action == "release" else service_ids
+    assert sorted(done) == sorted(moved)
+    assert calls["wd_record_delivery_departure"] == 0
+    # The same change by a site's own UPDATE under the operator's name: the trigger's.
+    write = (
+        "status = 'pending', lease_generation = lease_generation + 1, lease_until = NULL, "
+        "claimed_at = NULL WHERE status = 'claimed'"
+        if action == "release"
+        else "status = 'failed', lease_generation = lease_generation + 1, "
+        "finished_at = statement_timestamp(), lease_until = NULL, claimed_at = NULL, "
+        "available_at = NULL WHERE status IN ('pending', 'claimed')"
+    )
+    with transaction.atomic(), connection.cursor() as cursor:
+        cursor.execute("SELECT set_config('workflow_delivery.actor', 'operator:alice', true)")
+        cursor.execute(
+            f"UPDATE workflow_agent_deliveries SET {write} AND community_id = %s",
+            [by_trigger.community.id],
+        )
+        assert cursor.rowcount == len(moved)
+        cursor.execute("SELECT set_config('workflow_delivery.actor', '', true)")
+    histories = [shown(delivery_id) for delivery_id in service_ids]
+    assert histories == [shown(delivery_id) for delivery_id in raw_ids]
+    kind, status = ("released", "pending") if action == "release" else ("operator_failed", "failed")
+    assert [history[-1][:3] for history in histories[1:]] == [(kind, "claimed", status)] * 2
+    assert [entry[0] for entry in histories[1]] == ["committed", "claimed", kind]
+    assert [entry[0] for entry in histories[2]] == ["committed", "claimed", kind]
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT current_setting('workflow_delivery.recorded_by_statement', true)")
+        assert cursor.fetchone()[0] != "on"
 
 
 def test_the_usual_life_never_calls_the_recording_function():

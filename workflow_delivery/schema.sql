@@ -4,7 +4,7 @@
 -- scripts/dump_schema from a freshly migrated database; tests/test_schema_sql.py
 -- fails when a migration changes the schema and this file does not follow.
 -- Read it to review; the migrations are what build it.
--- Migrations applied: 18, the last 0018_reaper_writes_its_timeline.
+-- Migrations applied: 18, the last 0018_bulk_departures_by_statement.
 
 -- Tables
 

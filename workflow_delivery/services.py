@@ -916,10 +916,9 @@ def _operator_update(
     actor = "operator" if operator is None else f"operator:{_operator(operator)}"
     if not ids:
         return []
-    # One transaction holds the actor setting and the update it names.
-    with _transaction_as(actor, using) as cursor:
-        cursor.execute(statement, [community_id, community_id, community_id, ids])
-        return [row[0] for row in cursor.fetchall()]
+    # The statement writes its timeline entries itself, by ``actor``.
+    params = [community_id, community_id, community_id, ids, community_id, actor]
+    return [row[0] for row in db.fetch(using, statement, params)]
 
 
 def release_deliveries(

@@ -1,14 +1,15 @@
-"""The reaper's statement writes the timeline entries of the leases it takes.
+"""Bulk departures write their timeline entries in their own statement.
 
-A reap is a departure from the usual life, so under 0017's row trigger each reaped
-row called ``wd_record_delivery_departure()`` and ran its own INSERT (two, when its
-claim was not stored yet). The reaper's batch statement now writes those entries
-itself, in one INSERT from its UPDATE's RETURNING: for each row the claim it ends
-(unless an entry records it already) and then its ``reaped`` or
-``attempts_exhausted`` entry, as the function would write them.
+A reap, an operator's release or fail is a departure from the usual life, so under
+0017's row trigger each row called ``wd_record_delivery_departure()`` and ran its own
+INSERT (two, when its claim was not stored yet). The reaper's batch statement and the
+operator's release and fail statements (``workflow_delivery.sql``) now write those
+entries themselves, in one INSERT from their UPDATE's RETURNING: for each row the
+claim it ends (unless an entry records it already) and then its own entry, as the
+function would write them.
 
 So that nothing is written twice, ``wd_delivery_timeline`` passes over a row while
-the transaction's ``workflow_delivery.recorded_by_statement`` is ``on``. The reaper's
+the transaction's ``workflow_delivery.recorded_by_statement`` is ``on``. Such a
 statement turns it on before it writes any row and off again once its UPDATE is done,
 so the setting never outlives the statement, inside a caller's transaction too. The
 setting is read last in the WHEN clause: the usual life never gets to it.
