@@ -52,6 +52,7 @@ COMMUNITIES = _q(Community._meta.db_table)
 REPLAYS = _q(AgentRequestReplay._meta.db_table)
 IDLE = _q(IdleWakeTarget._meta.db_table)
 AGENTS = _q(CommunityAgent._meta.db_table)
+TIMELINE = _q(DeliveryTransition._meta.db_table)
 
 # Columns of a delivery record, in the order ``db.record`` reads them.
 RECORD_COLUMNS = [
@@ -458,6 +459,50 @@ SELECT status FROM {DELIVERIES}
  WHERE community_id = %s AND id = %s AND target_pubkey = %s AND lease_generation = %s
 """
 
+# The timeline entries of the rows a departing statement's ``moved`` CTE answers
+# (``community_id``, ``id``, ``status_before``, ``status``, ``lease_generation``,
+# ``attempts``, ``claimed_at``: the time of the claim the row had, if any; ``kind``),
+# by ``actor``, in one INSERT, unless the session's timeline is off: per row the
+# claim it ends, unless an entry records it already (a claim under a named actor, a
+# claimed commit), then its own entry; claims first, so each comes before the entry
+# that ends it. The entries are those ``wd_record_delivery_departure()`` would write;
+# the statement keeps the row trigger off its rows with ``_RECORDING_ON`` (before any
+# row is written) and ``_RECORDING_OFF`` (aggregating ``moved``, so only once every
+# row is written), and the setting never outlives the statement.
+_RECORDING_ON = "set_config('workflow_delivery.recorded_by_statement', 'on', true)"
+_RECORDING_OFF = """
+recording_done AS (
+    SELECT count(*) AS count,
+           set_config('workflow_delivery.recorded_by_statement', 'off', true) AS name
+      FROM moved
+)"""
+
+
+def _record_moved(actor: str) -> str:
+    return f"""
+recorded AS (
+    INSERT INTO {TIMELINE}
+        (community_id, delivery_id, at, kind, generation, attempts, status_before,
+         status_after, actor)
+    SELECT m.community_id, m.id, e.at, e.kind, e.generation, m.attempts, e.status_before,
+           e.status_after, e.actor
+      FROM moved AS m
+     CROSS JOIN LATERAL (
+           VALUES (1, m.claimed_at, 'claimed', m.lease_generation - 1, 'pending', 'claimed',
+                   'holder'),
+                  (2, clock_timestamp(), m.kind, m.lease_generation, m.status_before, m.status,
+                   {actor})
+     ) AS e (n, at, kind, generation, status_before, status_after, actor)
+     WHERE current_setting('workflow_delivery.timeline', true) IS DISTINCT FROM 'off'
+       AND (e.n = 2 OR (m.status_before = 'claimed' AND NOT EXISTS (
+           SELECT 1 FROM {TIMELINE} AS t
+            WHERE t.community_id = m.community_id AND t.delivery_id = m.id
+              AND t.status_after = 'claimed' AND t.attempts = m.attempts
+       )))
+     ORDER BY e.n
+),{_RECORDING_OFF}"""
+
+
 # The reaper's write: back to pending, or, once a delivery has used every attempt
 # (the cap, NULL for none; ``reap_batch`` writes it in), settled failed.
 _EXHAUSTED = "d.attempts >= %s::integer"
@@ -479,21 +524,20 @@ finished_at = CASE WHEN {_EXHAUSTED} THEN statement_timestamp() END
 # 4. ``expired``: the oldest expired rows of those communities only, by the reap
 #    index; rows a live holder has locked are skipped, not waited for.
 # Rows parked in a tenant that is not active are never read, so a batch costs what it
-# reclaims, not what is parked. The statement names its actor for the timeline
-# trigger (``actor``, evaluated before any row is written; transaction-local, so in
-# autocommit it ends with the statement). The answer: rows returned (reclaimed or,
-# with the cap, failed), how many of them the attempts cap failed, and the ids of the
-# tenants skipped locked.
+# reclaims, not what is parked.
+# 5. ``moved``: the write, answering each row with the claim it ends (its time from
+#    the locked row: ``claimed_at`` goes with the lease) and its entry's kind.
+# 6. ``recorded``: the batch's timeline entries (``_record_moved``), by the reaper.
+# The answer: rows returned (reclaimed or, with the cap, failed), how many of them the
+# attempts cap failed, and the ids of the tenants skipped locked.
 _REAP_BATCH = f"""
-WITH actor AS MATERIALIZED (
-    SELECT set_config('workflow_delivery.actor', 'reaper', true) AS name
-),
+WITH recording AS MATERIALIZED (SELECT {_RECORDING_ON} AS name),
 -- Rows another transaction holds (a holder inside holding() past its lease) are
 -- skipped before each LIMIT counts, so locked rows never fill a batch or a candidate
 -- slot and every unlocked expired lease is reachable.
 candidates AS MATERIALIZED (
     SELECT c.id, e.oldest
-      FROM actor, {COMMUNITIES} AS c
+      FROM recording, {COMMUNITIES} AS c
      CROSS JOIN LATERAL (
            SELECT r.lease_until AS oldest FROM {DELIVERIES} AS r
             WHERE r.community_id = c.id AND r.status = 'claimed'
@@ -513,7 +557,8 @@ open AS MATERIALIZED (
     SELECT id FROM tried WHERE CASE WHEN locked THEN community_write_allowed(id) ELSE false END
 ),
 expired AS (
-    SELECT d.id FROM {DELIVERIES} AS d
+    SELECT d.id, coalesce(d.last_claimed_at, d.claimed_at) AS claimed_at
+      FROM {DELIVERIES} AS d
      WHERE d.id IN (
            SELECT x.id FROM open
             CROSS JOIN LATERAL (
@@ -528,16 +573,19 @@ expired AS (
        AND d.status = 'claimed' AND d.lease_until < statement_timestamp()
        FOR UPDATE OF d SKIP LOCKED
 ),
-reaped AS (
+moved AS (
     UPDATE {DELIVERIES} AS d
        SET {_REAP_SET}
       FROM expired
      WHERE d.id = expired.id
-    RETURNING d.status = 'failed' AS exhausted
-)
-SELECT (SELECT count(*) FROM reaped),
-       (SELECT count(*) FROM reaped WHERE exhausted),
+    RETURNING d.community_id, d.id, 'claimed' AS status_before, d.status, d.lease_generation,
+              d.attempts, expired.claimed_at,
+              CASE WHEN d.status = 'failed' THEN 'attempts_exhausted' ELSE 'reaped' END AS kind
+),{_record_moved("'reaper'")}
+SELECT recording_done.count,
+       (SELECT count(*) FROM moved WHERE status = 'failed'),
        ARRAY(SELECT id FROM tried WHERE NOT locked ORDER BY id)
+  FROM recording_done
 """
 
 
@@ -561,23 +609,41 @@ def reap_batch(size: int, cap: int | None) -> str:
     return _REAP_BATCH % (limit, limit, limit, most, most)
 
 
-# The operator's statements act on one community; they try its shared deletion lock
-# rather than queue behind a transition or a purge (the action then changes nothing
-# and reports the rows as skipped).
-_OPERABLE = f"""
+# The operator's statements act on one community, on the rows ``chosen`` (locked, as
+# they were): they try its shared deletion lock rather than queue behind a transition
+# or a purge (the action then changes nothing and reports the rows as skipped). Each
+# writes its rows' timeline entries itself (``_record_moved``), by the actor it is
+# given, and answers the ids it changed.
+def _operator_statement(statuses: str, write: str, kind: str) -> str:
+    return f"""
 WITH operable AS MATERIALIZED (
     SELECT CASE WHEN pg_try_advisory_xact_lock_shared(wd_community_deletion_key(%s::uuid))
-                THEN community_write_allowed(%s::uuid) ELSE false END AS ok
-)
-UPDATE {DELIVERIES} AS d"""
+                THEN community_write_allowed(%s::uuid) ELSE false END AS ok,
+           {_RECORDING_ON} AS recording
+),
+chosen AS (
+    SELECT d.id, d.status, coalesce(d.last_claimed_at, d.claimed_at) AS claimed_at
+      FROM {DELIVERIES} AS d
+     WHERE d.community_id = %s AND d.id = ANY(%s) AND d.status IN ({statuses})
+       AND (SELECT ok FROM operable)
+       FOR UPDATE OF d
+),
+moved AS (
+    UPDATE {DELIVERIES} AS d
+       SET {write}
+      FROM chosen
+     WHERE d.community_id = %s AND d.id = chosen.id
+    RETURNING d.community_id, d.id, chosen.status AS status_before, d.status,
+              d.lease_generation, d.attempts,
+              CASE WHEN chosen.status = 'claimed' THEN chosen.claimed_at END AS claimed_at,
+              '{kind}' AS kind
+),{_record_moved("%s::text")}
+SELECT moved.id FROM moved, recording_done
+"""
+
 
 # An operator's release of chosen claimed rows (admin): back to pending, fence bumped.
-RELEASE = f"""{_OPERABLE}
-   SET {_BACK_TO_PENDING}
- WHERE d.community_id = %s AND d.id = ANY(%s) AND d.status = 'claimed'
-   AND (SELECT ok FROM operable)
-RETURNING d.id
-"""
+RELEASE = _operator_statement("'claimed'", _BACK_TO_PENDING, "released")
 
 # A holder giving its own live lease back (a consumer stopping): back to pending,
 # fence bumped, and only at the holder's generation, so a newer holder is untouched.
@@ -591,13 +657,11 @@ RETURNING d.id
 # An operator's terminal for chosen non-terminal rows (admin), recorded as failed. The
 # generation is bumped too, so a live holder's finish gets LeaseLost rather than an
 # AlreadyTerminal it could mistake for its own earlier settle.
-MARK_FAILED = f"""{_OPERABLE}
-   SET status = 'failed', lease_generation = d.lease_generation + 1, {_SETTLE},
-       available_at = NULL
- WHERE d.community_id = %s AND d.id = ANY(%s) AND d.status IN ('pending', 'claimed')
-   AND (SELECT ok FROM operable)
-RETURNING d.id
-"""
+MARK_FAILED = _operator_statement(
+    "'pending', 'claimed'",
+    f"status = 'failed', lease_generation = d.lease_generation + 1, {_SETTLE}, available_at = NULL",
+    "operator_failed",
+)
 
 # Who writes in this transaction, for the timeline trigger (migration 0007).
 SET_ACTOR = "SELECT set_config('workflow_delivery.actor', %s, true)"

@@ -9,14 +9,14 @@ from collections.abc import Callable
 from datetime import timedelta
 from uuid import UUID
 
-from django.db import DEFAULT_DB_ALIAS, connections
+from django.db import DEFAULT_DB_ALIAS
 
 from .. import counters, db, sql
 from ..conf import app_settings
 from ..exceptions import ProtocolError
 from ..protocol import Reaped
 from ..validation import is_whole_number, is_yield_ratio, parse_duration
-from ._common import _max_attempts, _transaction_as
+from ._common import _max_attempts
 
 
 def _batch_size(value: object, default: int) -> int:
@@ -84,16 +84,9 @@ def reap_deliveries(
     def batch() -> int:
         nonlocal reclaimed, exhausted
         # Each batch is its own short transaction (unless the caller holds one), so a
-        # sweep never holds more than ``size`` row locks at once. The statement names
-        # the reaper as its actor; inside a caller's transaction that setting would
-        # outlive the batch, so there the block also clears it.
-        statement = sql.reap_batch(size, cap)
-        if connections[using].in_atomic_block:
-            with _transaction_as("reaper", using) as cursor:
-                cursor.execute(statement, [])
-                count, failed, locked = cursor.fetchone()
-        else:
-            ((count, failed, locked),) = db.fetch(using, statement, [])
+        # sweep never holds more than ``size`` row locks at once. The statement writes
+        # its own timeline entries and leaves no setting behind.
+        ((count, failed, locked),) = db.fetch(using, sql.reap_batch(size, cap), [])
         if locked and on_locked is not None:
             on_locked(list(locked))
         reclaimed += count - failed

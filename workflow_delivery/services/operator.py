@@ -8,9 +8,9 @@ from uuid import UUID
 
 from django.db import DEFAULT_DB_ALIAS
 
-from .. import sql
+from .. import db, sql
 from ..protocol import as_uuid
-from ._common import _operator, _transaction_as
+from ._common import _operator
 
 
 def _operator_update(
@@ -25,10 +25,9 @@ def _operator_update(
     actor = "operator" if operator is None else f"operator:{_operator(operator)}"
     if not ids:
         return []
-    # One transaction holds the actor setting and the update it names.
-    with _transaction_as(actor, using) as cursor:
-        cursor.execute(statement, [community_id, community_id, community_id, ids])
-        return [row[0] for row in cursor.fetchall()]
+    # The statement writes its timeline entries itself, by ``actor``.
+    params = [community_id, community_id, community_id, ids, community_id, actor]
+    return [row[0] for row in db.fetch(using, statement, params)]
 
 
 def release_deliveries(
