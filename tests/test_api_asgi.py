@@ -61,10 +61,16 @@ def server_sessions() -> list[tuple[int, str]]:
         return cursor.fetchall()
 
 
+def enrolled_secret() -> bytes:
+    """A new agent key enrolled in a new community served at localhost."""
+    key = secret()
+    factories.enroll(factories.community("localhost"), [pubkey(key)])
+    return key
+
+
 def test_sequential_requests_are_served_on_one_session(server):
-    factories.community("localhost")
     seen = []
-    with AgentClient(base_url(server), secret()) as agent:
+    with AgentClient(base_url(server), enrolled_secret()) as agent:
         for _ in range(5):
             assert agent.claim() is None
             seen.append(server_sessions())
@@ -94,8 +100,7 @@ def test_a_refused_request_rolls_back_and_leaves_its_session_idle(server):
 
 
 def test_a_session_ended_under_the_server_is_replaced_before_a_request_uses_it(server):
-    factories.community("localhost")
-    with AgentClient(base_url(server), secret()) as agent:
+    with AgentClient(base_url(server), enrolled_secret()) as agent:
         assert agent.claim() is None
         ((pid, _state),) = server_sessions()
         with connection.cursor() as cursor:
@@ -110,8 +115,7 @@ def test_a_session_ended_under_the_server_is_replaced_before_a_request_uses_it(s
 
 
 def test_a_wait_keeps_the_thread_s_session_for_the_requests_after_it(server):
-    factories.community("localhost")
-    with AgentClient(base_url(server), secret()) as agent:
+    with AgentClient(base_url(server), enrolled_secret()) as agent:
         assert agent.claim() is None
         sessions = server_sessions()
         assert agent.wait(timeout=1) is None
@@ -120,8 +124,7 @@ def test_a_wait_keeps_the_thread_s_session_for_the_requests_after_it(server):
 
 
 def test_a_body_refused_after_authentication_leaves_the_session_idle(server):
-    factories.community("localhost")
-    key = secret()
+    key = enrolled_secret()
     with AgentClient(base_url(server), key) as agent:
         assert agent.claim() is None
         sessions = server_sessions()
