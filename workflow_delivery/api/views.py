@@ -182,6 +182,13 @@ def _signed(request: HttpRequest) -> Signed:
     return request.auth  # type: ignore[attr-defined,return-value]
 
 
+def _answer(request: HttpRequest, document: dict) -> HttpResponse:
+    """A 200 answer rendered as it is: the wire documents are the schema's already
+    (``wire``; tests/test_api.py compares them), so the response model is not run
+    over them again."""
+    return api.create_response(request, document, status=200)
+
+
 def served_alone(run: Callable[..., HttpResponse]) -> Callable[..., HttpResponse]:
     """For a view whose statement admits its request and serves it (``served``):
     no transaction around it, and the replay guard pruned now and then after it."""
@@ -209,7 +216,7 @@ def claim(request: HttpRequest, payload: schema.ClaimIn | None = None):
         claimed = served.claim(signed, limit=1, lease_seconds=payload.lease_seconds)
         if not claimed:
             return Status(204, None)
-        return Status(200, _claimed(*claimed[0]))
+        return _answer(request, _claimed(*claimed[0]))
     return _claim_named(request, signed, payload)
 
 
@@ -243,7 +250,7 @@ def _claim_named(request: HttpRequest, signed: Signed, payload: schema.ClaimIn) 
 def claim_batch(request: HttpRequest, payload: schema.ClaimBatchIn):
     signed = _signed(request)
     claimed = served.claim(signed, limit=payload.limit, lease_seconds=payload.lease_seconds)
-    return Status(200, {"claimed": [_claimed(*item) for item in claimed]})
+    return _answer(request, {"claimed": [_claimed(*item) for item in claimed]})
 
 
 @api.post(
@@ -258,7 +265,7 @@ def renew(request: HttpRequest, delivery_id: schema.Uuid, payload: schema.RenewI
         _signed(request), _delivery_id(delivery_id), payload.generation, payload.lease_seconds
     )
     if isinstance(result, Renewed):
-        return Status(200, {"lease_until": wire.instant(result.lease_until)})
+        return _answer(request, {"lease_until": wire.instant(result.lease_until)})
     return _lease_lost(request)
 
 
@@ -281,7 +288,7 @@ def finish(request: HttpRequest, delivery_id: schema.Uuid, payload: schema.Finis
     )
     if isinstance(result, LeaseLost):
         return _lease_lost(request)
-    return Status(200, _finish_document(result))
+    return _answer(request, _finish_document(result))
 
 
 @api.post(
