@@ -64,10 +64,11 @@ def _usable(raw: Any) -> bool:
     return not readable
 
 
-def _checked_connection(using: str) -> None:
+def check_connection(using: str = DEFAULT_DB_ALIAS) -> None:
     """Django's per-request health check (``CONN_HEALTH_CHECKS``) made without its
-    ``SELECT 1``: a reused connection found unusable is closed, and the statement
-    then opens a new one."""
+    ``SELECT 1``: a reused connection found unusable is closed, and the next
+    statement opens a new one. Before a transaction begins, so a dead session is
+    never the one its BEGIN is sent on."""
     wrapper = connections[using]
     if not wrapper.health_check_enabled or wrapper.health_check_done:
         return
@@ -82,7 +83,7 @@ def _run(signed: Signed, statement: str, params: list[object]) -> tuple[UUID, li
     event = signed.event
     skew = app_settings.API_MAX_CLOCK_SKEW_SECONDS
     admission = [event.created_at, skew, signed.host, signed.pubkey, event.id, event.created_at]
-    _checked_connection(DEFAULT_DB_ALIAS)
+    check_connection()
     try:
         rows = db.fetch(DEFAULT_DB_ALIAS, statement, [*admission, *params])
     except ConstraintViolation as exc:

@@ -131,6 +131,7 @@ def in_one_transaction(run: Callable[..., HttpResponse]) -> Callable[..., HttpRe
 
     @wraps(run)
     def answer(request: HttpRequest, *args: object, **kwargs: object) -> HttpResponse:
+        served.check_connection()
         with db.one_transaction(DEFAULT_DB_ALIAS):
             response = run(request, *args, **kwargs)
             if response.status_code >= 400:
@@ -223,6 +224,7 @@ def claim(request: HttpRequest, payload: schema.ClaimIn | None = None):
 def _claim_named(request: HttpRequest, signed: Signed, payload: schema.ClaimIn) -> HttpResponse:
     """A claim of one named delivery, or of one bound as expected: admitted, claimed
     and its message read in one transaction, all rolled back on a refusal."""
+    served.check_connection()
     with db.one_transaction(DEFAULT_DB_ALIAS):
         community_id = admit(signed.host, signed.event, signed.pubkey)
         claimed = services.claim_delivery(
