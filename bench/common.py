@@ -410,6 +410,9 @@ def database_url(db: BenchDb) -> str:
 def _listening_socket() -> socket.socket:
     listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    # Accepted connections inherit it from the listener (Linux), whichever server
+    # accepts them: no response waits on Nagle's algorithm for the client's delayed ACK.
+    listener.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     listener.bind(("127.0.0.1", 0))
     listener.listen(512)
     return listener
@@ -429,10 +432,12 @@ SERVERS = ("uvicorn", "gunicorn")
 
 def _server_command(server: str, fd: int, port: int, workers: int) -> list[str]:
     if server == "uvicorn":
-        # Not --fd: uvicorn takes an inherited descriptor for a Unix socket, so TCP_NODELAY
-        # is never set and Nagle's algorithm meets delayed ACKs (~40 ms a response).
+        # --fd, the listener bound here with TCP_NODELAY: uvicorn's own listener for
+        # --workers N (as for --fd) is made with proto 0, which asyncio takes for "not
+        # TCP" and leaves Nagle's algorithm on, so every response's body, written after
+        # its headers, waits for the client's delayed ACK (~40 ms; Kludex/uvicorn#3149).
         command = [sys.executable, "-m", "uvicorn", "buzz_project.asgi:application"]
-        command += ["--host", "127.0.0.1", "--port", str(port), "--workers", str(workers)]
+        command += ["--fd", str(fd), "--workers", str(workers)]
         command += ["--log-level", "warning", "--no-access-log"]
         return [*command, "--timeout-graceful-shutdown", "3"]
     if server == "gunicorn":
@@ -448,11 +453,11 @@ def api_server(
     url: str, *, server: str = "uvicorn", workers: int = 1, env: dict[str, str] | None = None
 ) -> Iterator[str]:
     """The demo project under ``server`` over database ``url`` on a free loopback
-    port (gunicorn inherits the socket bound here; uvicorn binds the port just
-    released); yields ``http://127.0.0.1:PORT``. SIGTERM at the end, SIGKILL if it lingers.
-    Under gunicorn each worker thread keeps its connection (``conn_max_age``); under
-    uvicorn Django runs each request's sync code on a thread of its own, so each
-    request opens a connection."""
+    port (both servers inherit the socket bound here, TCP_NODELAY set); yields
+    ``http://127.0.0.1:PORT``. SIGTERM at the end, SIGKILL if it lingers. Under
+    gunicorn each worker thread keeps its connection (``conn_max_age``); under uvicorn
+    the project's ``asgi.py`` runs each request's sync code on one of a few long-lived
+    threads, which keep theirs."""
     listener = _listening_socket()
     port = listener.getsockname()[1]
     if server == "gunicorn":
@@ -467,9 +472,7 @@ def api_server(
         "SECURE_SSL_REDIRECT": "false",
         **(env or {}),
     }
-    inherited = [listener.fileno()] if server == "gunicorn" else []
-    if not inherited:
-        listener.close()
+    inherited = [listener.fileno()]
     process = subprocess.Popen(
         _server_command(server, listener.fileno(), port, workers),
         cwd=ROOT,

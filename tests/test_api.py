@@ -709,6 +709,48 @@ def test_the_same_signed_request_refused_once_is_judged_afresh(client, agent, se
     answer(again, 401, "auth_replay")
 
 
+@pytest.mark.django_db(transaction=True)
+def test_a_lease_lost_in_autocommit_keeps_no_replay_row_and_its_retry_is_judged_afresh(
+    settings,
+):
+    """Outside a test transaction each request is one statement in autocommit: the
+    refusal raised inside it undoes its replay row, so the same signed request sent
+    again is refused for its lease again, not as a replay."""
+    settings.ALLOWED_HOSTS = ["*"]
+    agent = Agent()
+    client = Client()
+    claimed = answer(agent.call(client, "POST", "v1/claim", {"lease_seconds": 60}), 200)
+    before = AgentRequestReplay.objects.count()
+    stale = claimed["lease"]["generation"] + 1
+    for path, document in (
+        (f"v1/deliveries/{agent.delivery.id}/finish", {"generation": stale, "outcome": "failed"}),
+        (f"v1/deliveries/{agent.delivery.id}/renew", {"generation": stale}),
+    ):
+        body = json.dumps(document).encode()
+        url = f"http://{agent.host}/agents/{path}"
+        header = nip98.sign_request(agent.secret, url=url, method="POST", body=body)
+        for _ in range(2):
+            sent = agent.call(client, "POST", path, raw=body, authorization=header)
+            answer(sent, 409, "lease_lost")
+        assert AgentRequestReplay.objects.count() == before
+    assert WorkflowAgentDelivery.objects.get(id=agent.delivery.id).status == "claimed"
+    # The honest finish settles once; its replay runs nothing.
+    path = f"v1/deliveries/{agent.delivery.id}/finish"
+    body = json.dumps({"generation": stale - 1, "outcome": "finished"}).encode()
+    url = f"http://{agent.host}/agents/{path}"
+    header = nip98.sign_request(agent.secret, url=url, method="POST", body=body)
+    settled = answer(agent.call(client, "POST", path, raw=body, authorization=header), 200)
+    assert settled == {"result": "settled", "outcome": "finished"}
+    answer(agent.call(client, "POST", path, raw=body, authorization=header), 401, "auth_replay")
+    assert AgentRequestReplay.objects.count() == before + 1
+    # A new signature of the same settle: what a retry sees, recorded.
+    again = answer(
+        agent.call(client, "POST", path, {"generation": stale - 1, "outcome": "failed"}), 200
+    )
+    assert again == {"result": "already_terminal", "status": "finished"}
+    assert AgentRequestReplay.objects.count() == before + 2
+
+
 def _waiting_on_locks(count: int) -> bool:
     deadline = time.monotonic() + 20
     while time.monotonic() < deadline:

@@ -114,6 +114,15 @@ def test_a_session_ended_under_the_server_is_replaced_before_a_request_uses_it(s
         assert agent.claim() is None
         ((replacement, _state),) = server_sessions()
         assert replacement != pid
+        # The same before a request served in a transaction (a read).
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT pg_terminate_backend(%s)", [replacement])
+        deadline = time.monotonic() + 5
+        while server_sessions() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert agent.get(uuid.uuid4()) is None
+        ((third, _state),) = server_sessions()
+        assert third not in (pid, replacement)
 
 
 def test_a_wait_keeps_the_thread_s_session_for_the_requests_after_it(server):

@@ -67,6 +67,32 @@ def test_a_signed_request_is_one_the_server_accepts():
     assert document["kind"] == keys.HTTP_AUTH_KIND
 
 
+def test_a_signing_key_derives_the_same_key_and_signs_what_the_server_accepts():
+    signer = keys.SigningKey(ONE)
+    assert signer.pubkey == bytes.fromhex(G_X)
+    assert keys.SigningKey((3).to_bytes(32, "big")).pubkey.hex() == VECTOR_PUBLIC
+    # Odd-y points too: the x-only key whatever the parity of the full point.
+    for _ in range(8):
+        secret, public = keys.new_key_pair()
+        assert keys.SigningKey(secret).pubkey.hex() == public
+    url = "http://alpha.example/agents/v1/claim"
+    first = signer.sign_request(url=url, method="POST", body=b"{}", host="alpha.example")
+    second = signer.sign_request(url=url, method="POST", body=b"{}", host="alpha.example")
+    for header in (first, second):
+        event = nip98.parse_authorization(header)
+        nip98.check_request(event, url=url, method="POST", body=b"{}")
+        nip98.check_host(event, "alpha.example", required=True)
+        assert nip98.verify_event(event) == signer.pubkey
+    assert nip98.parse_authorization(first).id != nip98.parse_authorization(second).id
+    assert ONE not in repr(signer) and G_X in repr(signer)
+
+
+@pytest.mark.parametrize("bad", ["00" * 32, "ff" * 32, "zz" * 32, b"short"])
+def test_a_signing_key_refuses_a_bad_secret_by_name(bad):
+    with pytest.raises(ProtocolError, match="secret_key"):
+        keys.SigningKey(bad)
+
+
 @pytest.mark.parametrize("bad", ["", "zz" * 32, "ab" * 31, b"short", 7, None])
 def test_a_bad_secret_is_named_and_never_quoted(bad):
     with pytest.raises(ProtocolError, match="secret_key") as caught:

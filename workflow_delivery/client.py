@@ -102,8 +102,9 @@ class AgentClient:
             raise ProtocolError("community_host", f"must be a host name, not {community_host!r}")
         self._host_header = community_host or self._parts.netloc
         self.community_host = community_host or (self._parts.hostname or "")
-        self._secret = keys.secret_key_bytes(secret_key)
-        self.pubkey = keys.public_key_bytes(self._secret)
+        # The key pair derived once: every request is signed with it.
+        self._signer = keys.SigningKey(secret_key)
+        self.pubkey = self._signer.pubkey
         self.timeout = timeout
         self._connection: http.client.HTTPConnection | None = None
         self._used_at = 0.0
@@ -149,8 +150,8 @@ class AgentClient:
         """Send one signed request; the status and the JSON answer (None when empty)."""
         url = self.base_url + path + (f"?{urlencode(query)}" if query else "")
         body = b"" if document is None else json.dumps(document, separators=(",", ":")).encode()
-        authorization = keys.sign_request(
-            self._secret, url=url, method=method, body=body, host=self.community_host
+        authorization = self._signer.sign_request(
+            url=url, method=method, body=body, host=self.community_host
         )
         headers = {
             "Host": self._host_header,

@@ -23,6 +23,7 @@ __all__ = [
     "HTTP_AUTH_KIND",
     "SCHEME",
     "KeysUnavailable",
+    "SigningKey",
     "event_id",
     "new_key_pair",
     "public_key",
@@ -119,6 +120,65 @@ def verify_signature(pubkey: bytes, message: bytes, signature: bytes) -> bool:
         return False
 
 
+class SigningKey:
+    """One secret key ready to sign: the curve's key object and the x-only public key
+    derived once, where the functions above derive them on every call. An agent that
+    signs every request keeps one (``AgentClient`` does)."""
+
+    __slots__ = ("_key", "pubkey")
+
+    def __init__(self, secret: bytes | str) -> None:
+        key = secret_key_bytes(secret)
+        try:
+            self._key = _coincurve().PrivateKey(key)
+        except ValueError as exc:
+            raise ProtocolError("secret_key", "is not a valid secp256k1 secret key") from exc
+        # The x-only key: the compressed point without its parity byte.
+        self.pubkey: bytes = self._key.public_key.format(compressed=True)[1:]
+
+    def __repr__(self) -> str:
+        # Never the secret.
+        return f"SigningKey(pubkey={self.pubkey.hex()})"
+
+    def sign(self, message: bytes) -> bytes:
+        """The BIP-340 Schnorr signature (64 bytes) of a 32-byte ``message``."""
+        return self._key.sign_schnorr(message, os.urandom(32))
+
+    def sign_request(
+        self,
+        *,
+        url: str,
+        method: str,
+        body: bytes = b"",
+        created_at: int | None = None,
+        kind: int = HTTP_AUTH_KIND,
+        tags: list[list[str]] | None = None,
+        host: str | None = None,
+    ) -> str:
+        """The ``Authorization`` value for one request, as ``sign_request`` makes it."""
+        stamp = int(time.time()) if created_at is None else created_at
+        if tags is None:
+            tags = [["u", url], ["method", method]]
+            if body:
+                tags.append(["payload", hashlib.sha256(body).hexdigest()])
+            if host is not None:
+                tags.append(["host", host])
+        # A random nonce tag keeps two requests signed in the same second distinct events.
+        tags = [*tags, ["nonce", os.urandom(8).hex()]]
+        digest = event_id(self.pubkey, stamp, kind, tags, "")
+        document = {
+            "id": digest.hex(),
+            "pubkey": self.pubkey.hex(),
+            "created_at": stamp,
+            "kind": kind,
+            "tags": tags,
+            "content": "",
+            "sig": self.sign(digest).hex(),
+        }
+        encoded = base64.b64encode(json.dumps(document, separators=(",", ":")).encode()).decode()
+        return f"{SCHEME} {encoded}"
+
+
 def sign_request(
     secret_key: bytes | str,
     *,
@@ -134,26 +194,6 @@ def sign_request(
     ``secret_key`` naming the exact URL, the method, the body's sha256 when there is a
     body, and the community's ``host`` in a ``host`` tag when given (``tags``
     replaces the derived ones, for tests of refusals)."""
-    key = secret_key_bytes(secret_key)
-    pubkey = public_key_bytes(key)
-    stamp = int(time.time()) if created_at is None else created_at
-    if tags is None:
-        tags = [["u", url], ["method", method]]
-        if body:
-            tags.append(["payload", hashlib.sha256(body).hexdigest()])
-        if host is not None:
-            tags.append(["host", host])
-    # A random nonce tag keeps two requests signed in the same second distinct events.
-    tags = [*tags, ["nonce", os.urandom(8).hex()]]
-    digest = event_id(pubkey, stamp, kind, tags, "")
-    document = {
-        "id": digest.hex(),
-        "pubkey": pubkey.hex(),
-        "created_at": stamp,
-        "kind": kind,
-        "tags": tags,
-        "content": "",
-        "sig": sign(key, digest).hex(),
-    }
-    encoded = base64.b64encode(json.dumps(document, separators=(",", ":")).encode()).decode()
-    return f"{SCHEME} {encoded}"
+    return SigningKey(secret_key).sign_request(
+        url=url, method=method, body=body, created_at=created_at, kind=kind, tags=tags, host=host
+    )

@@ -1063,3 +1063,130 @@ def database_errors() -> Iterator[None]:
         if sqlstate == "25000" and "READ COMMITTED" in message:
             raise IsolationLevelError(message) from exc
         raise
+
+
+# The agent API's requests, each admitted and served by one statement in autocommit
+# (``api.served``): ADMIT_REQUEST_EVENT's look-ups, freshness and replay guard, then
+# the operation, which runs only on the community the replay row was recorded for
+# (nothing when the request was not admitted). The statement is its own transaction,
+# so the replay row commits with the operation or not at all; an operation that
+# refuses calls wd_refuse_request (migration 0018), whose error rolls back both.
+# Parameters: created_at, skew, host, pubkey, event id, created_at, then the
+# operation's. Every answer row starts with the admission (community id or NULL,
+# fresh, recorded, standing or NULL).
+_REFUSED = "wd_request_refused"
+_EVENTS = _q(Event._meta.db_table)
+
+
+def _admitted(operation: str, answer: str) -> str:
+    return f"""
+WITH clock AS (
+    SELECT abs(extract(epoch FROM now()) - %s::bigint) <= %s::bigint AS fresh
+), community AS (
+    SELECT id FROM {COMMUNITIES} WHERE lower(host) = lower(%s::text)
+), agent AS MATERIALIZED (
+    SELECT wd_agent_standing(community.id, %s::bytea) AS standing FROM community
+), recorded AS (
+    INSERT INTO {REPLAYS} (community_id, event_id, event_created_at)
+    SELECT community.id, %s::bytea, to_timestamp(%s::bigint)
+      FROM community, clock, agent WHERE clock.fresh AND agent.standing = 'enabled'
+    ON CONFLICT ON CONSTRAINT wd_replay_event_once DO NOTHING
+    RETURNING community_id
+), admission AS (
+    SELECT (SELECT id FROM community) AS community_id, clock.fresh,
+           EXISTS (SELECT 1 FROM recorded) AS recorded, (SELECT standing FROM agent) AS standing
+      FROM clock
+), {operation}
+{answer}
+"""
+
+
+_ADMISSION = "a.community_id, a.fresh, a.recorded, a.standing"
+
+# Claim up to a limit of the caller's oldest claimable deliveries (CLAIM_BATCH's
+# claim; a limit of 1 is the single claim), each answered with its record and its
+# message event (the event's columns NULL when the event is not stored); one row of
+# admission alone when nothing was claimed. Parameters after the admission's: pubkey,
+# limit, lease seconds.
+SERVED_CLAIM = _admitted(
+    f"""picked AS (
+    SELECT id FROM {DELIVERIES}
+     WHERE community_id = (SELECT community_id FROM recorded) AND target_pubkey = %s
+       AND status = 'pending'
+       AND (available_at IS NULL OR available_at <= statement_timestamp())
+       AND {entering_fence()}
+     ORDER BY created_at, id
+     LIMIT %s
+     FOR UPDATE SKIP LOCKED
+),
+{_STAMP},
+claimed AS (
+    UPDATE {DELIVERIES} AS d
+       SET status = 'claimed',
+           lease_generation = d.lease_generation + 1,
+           claimed_at = stamp.at,
+           lease_until = stamp.at + make_interval(secs => %s),
+           available_at = NULL
+      FROM picked, stamp
+     WHERE d.id = picked.id
+    RETURNING {_RETURNING}
+)""",
+    f"""SELECT {_ADMISSION}, {", ".join(f"c.{_q(column)}" for column in RECORD_COLUMNS)},
+       e.id, e.created_at, e.pubkey, e.kind, e.tags::text, e.content
+  FROM admission AS a
+  LEFT JOIN claimed AS c ON true
+  LEFT JOIN {_EVENTS} AS e
+    ON e.community_id = c.community_id AND e.created_at = c.message_event_created_at
+   AND e.id = c.message_event_id""",
+)
+
+# A live lease's four conditions on the community the request was admitted to.
+_SERVED_LEASE = f"""
+  community_id = (SELECT community_id FROM recorded) AND id = %s AND target_pubkey = %s
+  AND lease_generation = %s AND status = 'claimed' AND lease_until >= statement_timestamp()
+  AND {entering_fence()}
+"""
+
+# Renew a live lease; a lost one refuses (``lease_lost``). Parameters after the
+# admission's: lease seconds, delivery id, pubkey, generation. Answers the
+# admission and the new lease_until.
+SERVED_RENEW = _admitted(
+    f"""renewed AS (
+    UPDATE {DELIVERIES}
+       SET lease_until = statement_timestamp() + make_interval(secs => %s)
+     WHERE {_SERVED_LEASE}
+    RETURNING lease_until
+)""",
+    f"""SELECT {_ADMISSION}, r.lease_until,
+       CASE WHEN a.recorded AND r.lease_until IS NULL
+            THEN wd_refuse_request('lease_lost') END
+  FROM admission AS a LEFT JOIN renewed AS r ON true""",
+)
+
+# Settle a live lease once (FINISH). For a lease that settled nothing the row as the
+# caller's capability sees it is read with FOR SHARE (the latest committed version,
+# as FINISH_BATCH reads it): a terminal row answers its status (a retry of a settle),
+# anything else refuses (``lease_lost``). Parameters after the admission's: outcome,
+# delivery id, pubkey, generation, and the last three again. Answers the admission,
+# the settled status, the status seen.
+SERVED_FINISH = _admitted(
+    f"""settled AS (
+    UPDATE {DELIVERIES}
+       SET status = %s, {_SETTLE}
+     WHERE {_SERVED_LEASE}
+    RETURNING status
+), seen AS (
+    SELECT a.recorded, s.status AS settled,
+           (SELECT c.status FROM {DELIVERIES} AS c
+             WHERE a.recorded AND s.status IS NULL
+               AND c.community_id = a.community_id AND c.id = %s AND c.target_pubkey = %s
+               AND c.lease_generation = %s
+               FOR SHARE) AS status
+      FROM admission AS a LEFT JOIN settled AS s ON true
+)""",
+    f"""SELECT {_ADMISSION}, seen.settled, seen.status,
+       CASE WHEN seen.recorded AND seen.settled IS NULL
+                 AND (seen.status IS NULL OR seen.status NOT IN ('finished', 'failed'))
+            THEN wd_refuse_request('lease_lost') END
+  FROM admission AS a, seen""",
+)

@@ -18,7 +18,7 @@ from ninja.security import APIKeyHeader
 from .. import services
 from ..conf import app_settings
 from ..exceptions import AgentAuthRefused
-from ..protocol import AgentStanding
+from ..protocol import AgentStanding, RequestAdmission
 from . import nip98
 from .asgi import on_pooled_thread
 
@@ -74,19 +74,35 @@ def served_url(request: HttpRequest) -> str:
     return origin.rstrip("/") + request.get_full_path()
 
 
-def authenticate(request: HttpRequest) -> Caller:
-    """The caller of a signed request, or a refusal. Called inside the request's
-    transaction (``views.in_one_transaction``), so the replay row it records
-    commits with the operation or not at all."""
+@dataclass(frozen=True, slots=True)
+class Signed:
+    """A request whose signature and NIP-98 binding hold, not yet admitted: the host
+    it is for, its event and the key that signed it."""
+
+    host: str
+    event: nip98.SignedEvent
+    pubkey: bytes
+
+
+def verify(request: HttpRequest) -> Signed:
+    """The checks that need no database: the body's size, the header's event, its
+    binding to this request and host, its id and signature."""
     host = request_host(request)
     body = request_body(request)
     event = nip98.parse_authorization(request.headers.get("Authorization"))
     nip98.check_request(event, url=served_url(request), method=request.method or "", body=body)
     # Behind a shared origin the signed URL names no community: the event must.
     nip98.check_host(event, host, required=bool(app_settings.API_ORIGIN))
-    pubkey = nip98.verify_event(event)
-    community_id = admit(host, event, pubkey)
-    return Caller(community_id=community_id, pubkey=pubkey, event_id=event.id)
+    return Signed(host=host, event=event, pubkey=nip98.verify_event(event))
+
+
+def authenticate(request: HttpRequest) -> Caller:
+    """The caller of a signed request, or a refusal. Called inside the request's
+    transaction (``views.in_one_transaction``), so the replay row it records
+    commits with the operation or not at all."""
+    signed = verify(request)
+    community_id = admit(signed.host, signed.event, signed.pubkey)
+    return Caller(community_id=community_id, pubkey=signed.pubkey, event_id=signed.event.id)
 
 
 def admit(host: str, event: nip98.SignedEvent, pubkey: bytes) -> UUID:
@@ -94,6 +110,11 @@ def admit(host: str, event: nip98.SignedEvent, pubkey: bytes) -> UUID:
     roster and the event is fresh and used for the first time anywhere (one
     statement: the look-ups, the clock, the replay guard)."""
     admission = services.admit_request_event(host, event.id, event.created_at, pubkey=pubkey)
+    return admitted(host, pubkey, admission)
+
+
+def admitted(host: str, pubkey: bytes, admission: RequestAdmission) -> UUID:
+    """The admission's community, or the refusal it calls for."""
     if admission.community_id is None:
         raise ApiError(404, "unknown_community", f"no community is served at host {host!r}")
     if not admission.fresh:
@@ -141,6 +162,14 @@ class NostrAuth(APIKeyHeader):
 
     def authenticate(self, request: HttpRequest, key: str | None) -> Caller:
         return authenticate(request)
+
+
+class NostrSignedAuth(NostrAuth):
+    """NIP-98 for a view that admits its request in the statement that serves it
+    (``served``): the checks that need no database; ``request.auth`` is ``Signed``."""
+
+    def authenticate(self, request: HttpRequest, key: str | None) -> Signed:  # type: ignore[override]
+        return verify(request)
 
 
 # Waits are many and long, their database work short: this bounds how many waits of

@@ -30,16 +30,20 @@ from ..protocol import (
     Lease,
     LeaseLost,
     MessageEvent,
+    Outcome,
     Renewed,
     Settled,
     as_uuid,
 )
-from . import schema
+from . import schema, served
 from .auth import (
     ApiError,
     Caller,
     NostrAuth,
+    NostrSignedAuth,
     NostrWaitAuth,
+    Signed,
+    admit,
     prune_now_and_then,
     release_connection,
     wait_gate,
@@ -127,6 +131,7 @@ def in_one_transaction(run: Callable[..., HttpResponse]) -> Callable[..., HttpRe
 
     @wraps(run)
     def answer(request: HttpRequest, *args: object, **kwargs: object) -> HttpResponse:
+        served.check_connection()
         with db.one_transaction(DEFAULT_DB_ALIAS):
             response = run(request, *args, **kwargs)
             if response.status_code >= 400:
@@ -174,59 +179,95 @@ def _claimed(
     }
 
 
+def _signed(request: HttpRequest) -> Signed:
+    return request.auth  # type: ignore[attr-defined,return-value]
+
+
+def _answer(request: HttpRequest, document: dict) -> HttpResponse:
+    """A 200 answer rendered as it is: the wire documents are the schema's already
+    (``wire``; tests/test_api.py compares them), so the response model is not run
+    over them again."""
+    return api.create_response(request, document, status=200)
+
+
+def served_alone(run: Callable[..., HttpResponse]) -> Callable[..., HttpResponse]:
+    """For a view whose statement admits its request and serves it (``served``):
+    no transaction around it, and the replay guard pruned now and then after it."""
+
+    @wraps(run)
+    def answer(request: HttpRequest, *args: object, **kwargs: object) -> HttpResponse:
+        response = run(request, *args, **kwargs)
+        prune_now_and_then()
+        return response
+
+    return answer
+
+
 @api.post(
     "v1/claim",
     response={200: schema.ClaimOut, 204: None, **ERRORS},
     summary="Claim the caller's oldest pending delivery (or the one named)",
+    auth=NostrSignedAuth(),
 )
-@decorate_view(in_one_transaction)
+@decorate_view(served_alone)
 def claim(request: HttpRequest, payload: schema.ClaimIn | None = None):
-    caller = _caller(request)
+    signed = _signed(request)
     payload = payload or schema.ClaimIn()
-    claimed = services.claim_delivery(
-        caller.community_id,
-        caller.pubkey,
-        delivery_id=payload.delivery_id,
-        expected=payload.expected.binding() if payload.expected is not None else None,
-        lease_seconds=payload.lease_seconds,
-    )
-    if claimed is None:
-        return Status(204, None)
-    lease, record = claimed
-    messages = services.message_events(caller.community_id, [record])
-    return Status(200, _claimed(lease, record, messages.get(record.id)))
+    if payload.delivery_id is None and payload.expected is None:
+        claimed = served.claim(signed, limit=1, lease_seconds=payload.lease_seconds)
+        if not claimed:
+            return Status(204, None)
+        return _answer(request, _claimed(*claimed[0]))
+    return _claim_named(request, signed, payload)
+
+
+def _claim_named(request: HttpRequest, signed: Signed, payload: schema.ClaimIn) -> HttpResponse:
+    """A claim of one named delivery, or of one bound as expected: admitted, claimed
+    and its message read in one transaction, all rolled back on a refusal."""
+    served.check_connection()
+    with db.one_transaction(DEFAULT_DB_ALIAS):
+        community_id = admit(signed.host, signed.event, signed.pubkey)
+        claimed = services.claim_delivery(
+            community_id,
+            signed.pubkey,
+            delivery_id=payload.delivery_id,
+            expected=payload.expected.binding() if payload.expected is not None else None,
+            lease_seconds=payload.lease_seconds,
+        )
+        if claimed is None:
+            return api.create_response(request, None, status=204)
+        lease, record = claimed
+        messages = services.message_events(community_id, [record])
+        document = _claimed(lease, record, messages.get(record.id))
+        return api.create_response(request, document, status=200)
 
 
 @api.post(
     "v1/claim/batch",
     response={200: schema.ClaimBatchOut, **ERRORS},
     summary="Claim up to `limit` of the caller's oldest pending deliveries",
+    auth=NostrSignedAuth(),
 )
-@decorate_view(in_one_transaction)
+@decorate_view(served_alone)
 def claim_batch(request: HttpRequest, payload: schema.ClaimBatchIn):
-    caller = _caller(request)
-    claimed = services.claim_deliveries(
-        caller.community_id,
-        caller.pubkey,
-        limit=payload.limit,
-        lease_seconds=payload.lease_seconds,
-    )
-    messages = services.message_events(caller.community_id, [record for _, record in claimed])
-    documents_ = [_claimed(lease, record, messages.get(record.id)) for lease, record in claimed]
-    return Status(200, {"claimed": documents_})
+    signed = _signed(request)
+    claimed = served.claim(signed, limit=payload.limit, lease_seconds=payload.lease_seconds)
+    return _answer(request, {"claimed": [_claimed(*item) for item in claimed]})
 
 
 @api.post(
     "v1/deliveries/{delivery_id}/renew",
     response={200: schema.RenewOut, **ERRORS},
     summary="Extend a live lease",
+    auth=NostrSignedAuth(),
 )
-@decorate_view(in_one_transaction)
+@decorate_view(served_alone)
 def renew(request: HttpRequest, delivery_id: schema.Uuid, payload: schema.RenewIn):
-    lease = _lease(_caller(request), delivery_id, payload.generation)
-    result = services.renew_delivery(lease, lease_seconds=payload.lease_seconds)
+    result = served.renew(
+        _signed(request), _delivery_id(delivery_id), payload.generation, payload.lease_seconds
+    )
     if isinstance(result, Renewed):
-        return Status(200, {"lease_until": wire.instant(result.lease_until)})
+        return _answer(request, {"lease_until": wire.instant(result.lease_until)})
     return _lease_lost(request)
 
 
@@ -240,14 +281,16 @@ def _finish_document(result: Settled | AlreadyTerminal) -> dict[str, str]:
     "v1/deliveries/{delivery_id}/finish",
     response={200: schema.FinishOut, **ERRORS},
     summary="Settle a claimed delivery once",
+    auth=NostrSignedAuth(),
 )
-@decorate_view(in_one_transaction)
+@decorate_view(served_alone)
 def finish(request: HttpRequest, delivery_id: schema.Uuid, payload: schema.FinishIn):
-    lease = _lease(_caller(request), delivery_id, payload.generation)
-    result = services.finish_delivery(lease, payload.outcome)
+    result = served.finish(
+        _signed(request), _delivery_id(delivery_id), payload.generation, Outcome(payload.outcome)
+    )
     if isinstance(result, LeaseLost):
         return _lease_lost(request)
-    return Status(200, _finish_document(result))
+    return _answer(request, _finish_document(result))
 
 
 @api.post(
