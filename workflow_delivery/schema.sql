@@ -4,7 +4,7 @@
 -- scripts/dump_schema from a freshly migrated database; tests/test_schema_sql.py
 -- fails when a migration changes the schema and this file does not follow.
 -- Read it to review; the migrations are what build it.
--- Migrations applied: 18, the last 0018_bulk_departures_by_statement.
+-- Migrations applied: 19, the last 0019_request_refusal.
 
 -- Tables
 
@@ -672,6 +672,19 @@ BEGIN
                   TABLE = TG_TABLE_NAME;
     END IF;
     RETURN NEW;
+END
+$function$;
+
+CREATE OR REPLACE FUNCTION public.wd_refuse_request(p_code text)
+ RETURNS boolean
+ LANGUAGE plpgsql
+ SET search_path TO 'public', 'pg_catalog', 'pg_temp'
+AS $function$
+BEGIN
+    RAISE EXCEPTION USING
+        MESSAGE = p_code,
+        CONSTRAINT = 'wd_request_refused',
+        DETAIL = 'the agent API refused the request; nothing it did is kept';
 END
 $function$;
 
