@@ -7,8 +7,11 @@ Producers commit steps with several targets through ``services.delivery_identity
 claim, renew at a third of the lease and settle; the reaper returns expired leases. Meanwhile
 the harness kills agents holding a lease (``kill -9``), stalls holders (SIGSTOP until another
 agent has settled their delivery, then SIGCONT), drops connections (``pg_terminate_backend``)
-and restarts the database. Every process journals what it saw; at the end the database is
-checked against the journals and the figures are printed. Exit status 1 when a figure that
+and restarts the database, and stuck holders hang inside ``services.holding()`` past their
+lease (the reaper must reclaim other expired leases meanwhile, the stuck finish must be
+refused with its effect rolled back, and the row reclaimed once let go). Every process
+journals what it saw; at the end the database is checked against the journals and the
+figures are printed. Exit status 1 when a figure that
 must be 0 is not.
 
 With ``--consumers`` the agents are ``workflow_delivery.consumer.Consumer`` processes (wake-ups,
@@ -48,7 +51,7 @@ import psycopg  # noqa: E402
 from bench.chaos_check import ChaosReport, check  # noqa: E402
 from bench.chaos_journal import Journal, last_holding, read_all  # noqa: E402
 from bench.chaos_server import ChaosServer, connect  # noqa: E402
-from bench.chaos_worker import EFFECTS_TABLE  # noqa: E402
+from bench.chaos_worker import EFFECTS_TABLE, STUCK_EFFECTS_TABLE  # noqa: E402
 
 WORKER = ROOT / "bench" / "chaos_worker.py"
 REAP_COMMAND = ROOT / "workflow_delivery" / "management" / "commands" / "reap_deliveries.py"
@@ -78,6 +81,8 @@ class ChaosConfig:
     huge_step_targets: int = 6000
     consumers: bool = False
     consumer_poll: float = 1.0
+    # Holders that hang inside holding() past their lease while the reaper runs.
+    stuck_holders: int = 1
     seed: int = field(default_factory=lambda: random.randrange(1 << 30))
     journal_dir: Path | None = None
 
@@ -203,6 +208,8 @@ class Harness:
             "huge_step_targets": config.huge_step_targets,
             # Early in the window, so the restart at its middle rarely overlaps.
             "deletion_after": 0.15 * config.seconds,
+            # After the restart at the middle of the window, so the hang rarely meets it.
+            "stuck_after": 0.55 * config.seconds,
         }
         config_path = run_dir / "config.json"
         config_path.write_text(json.dumps(worker_config))
@@ -340,12 +347,14 @@ class Harness:
             self.fleet.spawn("producer", index)
         if config.huge_step_targets:
             self.fleet.spawn("deleter", 0)
+        for index in range(config.stuck_holders):
+            self.fleet.spawn("stuck", index)
         started = time.monotonic()
         pending = self.schedule()
         drops = 0
         while pending or time.monotonic() - started < config.seconds:
             if STOP.is_set():
-                self.fleet.stop(["producer", "deleter", "agent", "reaper"], timeout=10)
+                self.fleet.stop(["producer", "deleter", "stuck", "agent", "reaper"], timeout=10)
                 return
             self.fleet.supervise(respawn=True)
             elapsed = time.monotonic() - started
@@ -379,13 +388,14 @@ class Harness:
             and not STOP.is_set()
             and any(
                 p.poll() is None
-                for _, p in [*self.fleet.of_role("producer"), *self.fleet.of_role("deleter")]
+                for role in ("producer", "deleter", "stuck")
+                for _, p in self.fleet.of_role(role)
             )
         ):
             self.fleet.supervise(respawn=True)
             self.release_stalls()
             time.sleep(0.2)
-        self.fleet.stop(["producer", "deleter"], timeout=60)
+        self.fleet.stop(["producer", "deleter", "stuck"], timeout=60)
         deadline = time.monotonic() + config.drain_seconds
         while time.monotonic() < deadline and not STOP.is_set():
             self.fleet.supervise(respawn=True)
@@ -443,6 +453,15 @@ def create_effects_table(url: str) -> None:
         )
 
 
+def create_stuck_effects_table(url: str) -> None:
+    """The stuck holders' effects: each is written inside a block that must roll back."""
+    with connect(url) as conn:
+        conn.execute(
+            f"CREATE TABLE {STUCK_EFFECTS_TABLE} (delivery_id uuid NOT NULL, "
+            "generation bigint NOT NULL)"
+        )
+
+
 def run(config: ChaosConfig) -> ChaosReport:
     """Run one chaos scenario end to end and return the checked figures."""
     database = f"{os.environ.get('BENCH_DB_PREFIX', 'buzz_chaos')}_{os.getpid()}"
@@ -461,6 +480,8 @@ def run(config: ChaosConfig) -> ChaosReport:
         migrate(server.url)
         if config.consumers:
             create_effects_table(server.url)
+        if config.stuck_holders:
+            create_stuck_effects_table(server.url)
         harness = Harness(config, server, run_dir)
         harness.run()
         with connect(server.url) as conn:
@@ -469,6 +490,7 @@ def run(config: ChaosConfig) -> ChaosReport:
                 read_all(harness.journal_dir),
                 harness.fleet.crashes,
                 effects_table=EFFECTS_TABLE if config.consumers else None,
+                stuck_effects_table=STUCK_EFFECTS_TABLE if config.stuck_holders else None,
             )
         report.describe(config, server, run_dir)
         return report
@@ -514,6 +536,12 @@ def parse_args(argv: list[str] | None = None) -> ChaosConfig:
         help="agents are workflow_delivery.consumer.Consumer processes that write one effect "
         "row per delivery through holding(); the check then counts effects too",
     )
+    parser.add_argument(
+        "--stuck-holders",
+        type=int,
+        default=1,
+        help="holders that hang inside holding() past their lease (0: none)",
+    )
     parser.add_argument("--seed", type=int)
     parser.add_argument("--keep-journals", type=Path, help="keep journals and logs under here")
     args = parser.parse_args(argv)
@@ -537,6 +565,7 @@ def parse_args(argv: list[str] | None = None) -> ChaosConfig:
         journal_dir=args.keep_journals,
         huge_step_targets=args.huge_step,
         consumers=args.consumers,
+        stuck_holders=args.stuck_holders,
     )
     if args.seed is not None:
         config.seed = args.seed

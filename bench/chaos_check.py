@@ -54,6 +54,16 @@ class ChaosReport:
     effects_missing: int = 0
     effects_duplicated: int = 0
     effects_stale: int = 0
+    # Stuck holders: hung inside holding() past their lease while the reaper ran.
+    stuck_checked: bool = False
+    stuck_holders: int = 0
+    stuck_probes_reclaimed: int = 0
+    stuck_rows_held_past_lease: int = 0
+    stuck_finishes_refused: int = 0
+    stuck_finishes_accepted: int = 0
+    stuck_effects_committed: int = 0
+    stuck_rows_reclaimed: int = 0
+    stuck_rows_settled_by_successor: int = 0
     header: str = ""
 
     MUST_BE_ZERO = (
@@ -67,12 +77,30 @@ class ChaosReport:
         "effects_missing",
         "effects_duplicated",
         "effects_stale",
+        "stuck_finishes_accepted",
+        "stuck_effects_committed",
     )
+
+    @property
+    def stuck_ok(self) -> bool:
+        """Every stuck holder that woke: the probe reclaimed while it hung, its own row
+        held past the lease, its finish refused, its row reclaimed and settled by a
+        successor."""
+        n = self.stuck_holders
+        return not self.stuck_checked or (
+            n >= 1
+            and self.stuck_probes_reclaimed == n
+            and self.stuck_rows_held_past_lease == n
+            and self.stuck_finishes_refused == n
+            and self.stuck_rows_reclaimed == n
+            and self.stuck_rows_settled_by_successor == n
+        )
 
     @property
     def ok(self) -> bool:
         return (
-            not self.worker_errors
+            self.stuck_ok
+            and not self.worker_errors
             and not self.deletion_failures
             and all(getattr(self, n) == 0 for n in self.MUST_BE_ZERO)
         )
@@ -147,6 +175,18 @@ class ChaosReport:
                 f"settled with several effects    {self.effects_duplicated}   (must be 0)",
                 f"effects of a stale holder       {self.effects_stale}   (must be 0)",
             ]
+        if self.stuck_checked:
+            lines[-1:-1] = [
+                f"holders stuck in holding()      {self.stuck_holders}; meanwhile other "
+                f"expired leases reclaimed {self.stuck_probes_reclaimed}, own rows still held "
+                f"past the lease {self.stuck_rows_held_past_lease}",
+                f"stuck finishes refused          {self.stuck_finishes_refused}, accepted "
+                f"{self.stuck_finishes_accepted}   (must be 0); effects committed "
+                f"{self.stuck_effects_committed}   (must be 0)",
+                f"stuck rows reclaimed once let go {self.stuck_rows_reclaimed}, settled by a "
+                f"successor {self.stuck_rows_settled_by_successor}"
+                + ("" if self.stuck_ok else "   (must all equal the stuck holders)"),
+            ]
         lines += [f"  {error}" for error in self.worker_errors]
         lines.append("RESULT: " + ("ok" if self.ok else "FAILED"))
         return "\n".join(lines)
@@ -205,6 +245,7 @@ def check(
     crashes: list[str],
     *,
     effects_table: str | None = None,
+    stuck_effects_table: str | None = None,
 ) -> ChaosReport:
     report = ChaosReport()
     # The deleter's tenants have their own checks (below), not the fleet's.
@@ -286,7 +327,45 @@ def check(
         if r["op"] == "error"
     ] + list(crashes)
     _check_deletion(conn, records, report)
+    if stuck_effects_table is not None:
+        _check_stuck(conn, records, table, stuck_effects_table, report)
     return report
+
+
+def _check_stuck(
+    conn: psycopg.Connection,
+    records: list[dict[str, Any]],
+    rows: dict[str, tuple[str, int, float | None]],
+    effects_table: str,
+    report: ChaosReport,
+) -> None:
+    """A stuck holder counts once it woke (a lost connection restarts its scenario).
+    While it hung, its probe (another expired lease) must have been reclaimed and its
+    own row still held at its generation past the lease; its finish must be refused
+    and its effect row gone; once let go, its row is reclaimed and settled at a newer
+    generation."""
+    report.stuck_checked = True
+    effects = Counter(
+        (str(delivery_id), generation)
+        for delivery_id, generation in conn.execute(
+            f"SELECT delivery_id, generation FROM {effects_table}"
+        )
+    )
+    report.stuck_effects_committed = sum(effects.values())
+    released = {(r["id"], r["gen"]): r for r in records if r["op"] == "stuck_release"}
+    for wake in (r for r in records if r["op"] == "stuck_wake"):
+        report.stuck_holders += 1
+        probe_at = wake["probe_reclaimed_at"]
+        report.stuck_probes_reclaimed += probe_at is not None and probe_at < wake["t"]
+        report.stuck_rows_held_past_lease += bool(wake["held_past_lease"])
+        report.stuck_finishes_refused += wake["result"] == "lost"
+        report.stuck_finishes_accepted += wake["result"] != "lost"
+        release = released.get((wake["id"], wake["gen"]))
+        report.stuck_rows_reclaimed += bool(release and release["reclaimed_at"])
+        status, generation, _ = rows.get(wake["id"], (None, None, None))
+        report.stuck_rows_settled_by_successor += (
+            status in TERMINAL and generation is not None and generation > wake["gen"]
+        )
 
 
 def _check_deletion(

@@ -604,11 +604,168 @@ def run_deleter(config: dict[str, Any], index: int, journal: Journal) -> None:
     )
 
 
+STUCK_EFFECTS_TABLE = "chaos_stuck_effects"
+
+
+def run_stuck_holder(config: dict[str, Any], index: int, journal: Journal) -> None:
+    """A holder that hangs inside ``services.holding()`` past its lease.
+
+    It claims a *probe* delivery and leaves it to expire, claims a second delivery,
+    enters ``holding()`` on it, writes an effect row and then sleeps well past both
+    leases while the reaper runs. A watcher session meanwhile notes when the reaper
+    reclaimed the probe (it must, though another expired row is locked) and whether
+    the stuck row was still held at its old generation past its lease (the reaper
+    skips a locked row). Awake again, the holder tries to settle: the finish must be
+    refused and its effect rolled back. Then the watcher waits for the stuck row to
+    be reclaimed now that nobody holds it. A lost connection restarts the scenario.
+    """
+    import psycopg
+
+    from workflow_delivery import services
+    from workflow_delivery.exceptions import LeaseNotLive
+    from workflow_delivery.protocol import Outcome
+
+    lease_seconds = config["lease"]
+    hang = lease_seconds + 4 * config["reap_interval"] + 2
+    pairs = [
+        (tenant["id"], bytes.fromhex(target))
+        for tenant in config["communities"]
+        for target in config["targets"]
+    ]
+    rng = random.Random()
+    if not _pause_until(time.monotonic() + config["stuck_after"]):
+        return
+
+    def claim() -> Any:
+        while not Stop.requested:
+            rng.shuffle(pairs)
+            for community_id, target in pairs:
+                claimed = with_reconnect(
+                    journal,
+                    "claim",
+                    lambda c=community_id, t=target: services.claim_delivery(
+                        c, t, lease_seconds=lease_seconds
+                    ),
+                )
+                if claimed is not None:
+                    lease, record = claimed
+                    journal.write(
+                        "claim",
+                        id=str(lease.delivery_id),
+                        gen=lease.generation,
+                        community=str(lease.community_id),
+                        step=record.binding.step_id,
+                        lease_until=lease.lease_until.isoformat(),
+                    )
+                    return lease
+            time.sleep(config["idle_poll"])
+        return None
+
+    def row(watcher: Any, lease: Any) -> tuple[str, int, bool]:
+        return watcher.execute(
+            "SELECT status, lease_generation, coalesce(lease_until < now(), false) "
+            "FROM workflow_agent_deliveries WHERE id = %s",
+            [lease.delivery_id],
+        ).fetchone()
+
+    def reclaimed(watcher: Any, lease: Any) -> bool:
+        status, generation, _ = row(watcher, lease)
+        return generation > lease.generation or status != "claimed"
+
+    def scenario() -> None:
+        probe = claim()
+        stuck = claim() if probe is not None else None
+        if stuck is None:
+            return
+        probe_reclaimed_at = None
+        held_past_lease = False
+        with psycopg.connect(config["database_url"], autocommit=True) as watcher:
+            t0 = time.time()
+            result = "settled"
+            try:
+                with services.holding(stuck) as held:
+                    with connection.cursor() as cursor:
+                        cursor.execute(
+                            f"INSERT INTO {STUCK_EFFECTS_TABLE} (delivery_id, generation) "
+                            "VALUES (%s, %s)",
+                            [stuck.delivery_id, stuck.generation],
+                        )
+                    journal.write(
+                        "stuck_enter",
+                        id=str(stuck.delivery_id),
+                        gen=stuck.generation,
+                        probe=str(probe.delivery_id),
+                        probe_gen=probe.generation,
+                        hang=hang,
+                    )
+                    wake_at = time.monotonic() + hang
+                    while time.monotonic() < wake_at:
+                        if probe_reclaimed_at is None and reclaimed(watcher, probe):
+                            probe_reclaimed_at = time.time()
+                        time.sleep(0.05)
+                    status, generation, expired = row(watcher, stuck)
+                    held_past_lease = (
+                        status == "claimed" and generation == stuck.generation and expired
+                    )
+                    t0 = time.time()
+                    held.finish(Outcome.FINISHED)
+            except LeaseNotLive:
+                result = "lost"
+            journal.write(
+                "finish",
+                id=str(stuck.delivery_id),
+                gen=stuck.generation,
+                t0=t0,
+                outcome="finished",
+                result=result,
+            )
+            journal.write(
+                "stuck_wake",
+                id=str(stuck.delivery_id),
+                gen=stuck.generation,
+                probe_reclaimed_at=probe_reclaimed_at,
+                probe_lease_until=probe.lease_until.timestamp(),
+                held_past_lease=held_past_lease,
+                result=result,
+            )
+            deadline = time.monotonic() + lease_seconds + 8 * config["reap_interval"] + 10
+            reclaimed_at = None
+            while time.monotonic() < deadline and not Stop.requested:
+                if reclaimed(watcher, stuck):
+                    reclaimed_at = time.time()
+                    break
+                time.sleep(0.05)
+            journal.write(
+                "stuck_release",
+                id=str(stuck.delivery_id),
+                gen=stuck.generation,
+                reclaimed_at=reclaimed_at,
+            )
+
+    from django.db import connection
+
+    from workflow_delivery.errors import is_connection_lost
+
+    for _ in range(3):
+        try:
+            scenario()
+            return
+        except Exception as exc:
+            if not is_connection_lost(exc):
+                raise
+            journal.write("conn_error", during="stuck", error=str(exc).splitlines()[0][:200])
+            connection.close()
+            if Stop.requested:
+                return
+            time.sleep(0.2 + random.random() * 0.3)
+
+
 ROLES = {
     "producer": run_producer,
     "agent": run_agent,
     "reaper": run_reaper,
     "deleter": run_deleter,
+    "stuck": run_stuck_holder,
 }
 
 

@@ -1,4 +1,5 @@
-"""The short chaos scenario: one of each fault, a few hundred deliveries, nothing lost.
+"""The short chaos scenario: one of each fault (a holder stuck inside ``holding()`` past
+its lease among them), a few hundred deliveries, nothing lost.
 
 It runs against a throwaway PostgreSQL the harness starts for itself, never the suite's
 server, because it restarts that server in the middle of the run.
@@ -29,6 +30,7 @@ def report(tmp_path_factory: pytest.TempPathFactory):
         restart=True,
         database_url=None,
         long_work_share=0.08,
+        stuck_holders=1,
         journal_dir=Path(tmp_path_factory.mktemp("chaos")),
     )
     return run(config)
@@ -80,3 +82,21 @@ def test_a_tenant_under_deletion_does_not_stall_the_fleet(report):
     assert report.probe_reclaim_seconds is not None, report.render()
     assert report.deletion == {"state": "tombstone", "rows_left": 0}, report.render()
     assert report.deletion_failures == [], report.render()
+
+
+def test_a_holder_stuck_in_holding_past_its_lease_stalls_nothing_and_is_refused(report):
+    # Every figure is per stuck holder that woke; the config runs one.
+    assert report.stuck_checked and report.stuck_holders == 1, report.render()
+    # (a) The reaper reclaimed another expired lease while the stuck block held its row,
+    # and skipped that locked row (still held at its generation past the lease).
+    assert report.stuck_probes_reclaimed == 1, report.render()
+    assert report.stuck_rows_held_past_lease == 1, report.render()
+    # (b) Awake, the stuck holder's finish was refused and its effect rolled back.
+    assert report.stuck_finishes_refused == 1, report.render()
+    assert report.stuck_finishes_accepted == 0, report.render()
+    assert report.stuck_effects_committed == 0, report.render()
+    # (c) Let go, its row was reclaimed and settled once, by a newer holder.
+    assert report.stuck_rows_reclaimed == 1, report.render()
+    assert report.stuck_rows_settled_by_successor == 1, report.render()
+    assert report.settled_twice == 0 and report.unsettled == 0, report.render()
+    assert report.stuck_ok and report.ok, report.render()
