@@ -6,6 +6,7 @@ naming the offending field; no other exception escapes for bad input of any type
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import time
@@ -714,6 +715,21 @@ def stored_lease(community_id: UUID, target_pubkey: bytes, record: DeliveryRecor
         target_pubkey=target_pubkey,
         generation=record.lease_generation,
         lease_until=record.lease_until,
+    )
+
+
+def stored_message(
+    event_id: bytes, created_at: datetime, pubkey: bytes, kind: int, tags: str, content: str
+) -> MessageEvent:
+    """A message event as a statement read it: the columns of ``sql.MESSAGE_EVENTS``
+    (``tags`` as JSON text), not re-validated."""
+    return MessageEvent(
+        id=bytes(event_id),
+        pubkey=bytes(pubkey),
+        created_at=created_at,
+        kind=kind,
+        tags=json.loads(tags),
+        content=content,
     )
 
 

@@ -16,7 +16,6 @@ runs under a savepoint of its own instead, with the same effect.
 
 from __future__ import annotations
 
-import json
 import select
 from typing import Any
 from uuid import UUID
@@ -39,6 +38,7 @@ from ..protocol import (
     RequestAdmission,
     Settled,
     stored_lease,
+    stored_message,
 )
 from ..services.holder import _lease_seconds
 from .auth import Signed, admitted
@@ -102,17 +102,8 @@ def _run(signed: Signed, statement: str, params: list[object]) -> tuple[UUID, li
 
 
 def _message(columns: tuple) -> MessageEvent | None:
-    event_id, created_at, pubkey, kind, tags, content = columns
-    if event_id is None:
-        return None
-    return MessageEvent(
-        id=bytes(event_id),
-        pubkey=bytes(pubkey),
-        created_at=created_at,
-        kind=kind,
-        tags=json.loads(tags),
-        content=content,
-    )
+    # The event's columns are NULL when the claimed delivery's event is not stored.
+    return None if columns[0] is None else stored_message(*columns)
 
 
 def claim(

@@ -6,7 +6,6 @@ Claim, renew and finish are the hot path."""
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from uuid import UUID
@@ -39,6 +38,7 @@ from ..protocol import (
     as_uuid,
     error_report,
     stored_lease,
+    stored_message,
 )
 from ..validation import LEASE_SECONDS_BOUND, is_delay_seconds, is_whole_number
 from ._common import _max_attempts
@@ -463,15 +463,9 @@ def message_events(
     # A read: in the API's request transaction it needs no savepoint of its own.
     rows = db.fetch(using, sql.MESSAGE_EVENTS, [community_id, ids], savepoint=False)
     found: dict[UUID, MessageEvent] = {}
-    for event_id, created_at, pubkey, kind, tags, content in rows:
+    for columns in rows:
+        event_id, created_at = columns[0], columns[1]
         delivery_id = wanted.get((created_at, bytes(event_id)))
         if delivery_id is not None:
-            found[delivery_id] = MessageEvent(
-                id=bytes(event_id),
-                pubkey=bytes(pubkey),
-                created_at=created_at,
-                kind=kind,
-                tags=json.loads(tags),
-                content=content,
-            )
+            found[delivery_id] = stored_message(*columns)
     return found
