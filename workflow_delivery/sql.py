@@ -858,7 +858,8 @@ SELECT clock.fresh, EXISTS (SELECT 1 FROM recorded) FROM clock
 # the request's transaction, so a revocation waits for the key's requests in flight.
 # Only an enabled agent's fresh event is recorded. Answers (community id or NULL,
 # fresh, recorded, standing or NULL); an unknown host records nothing.
-ADMIT_REQUEST_EVENT = f"""
+# Parameters: created_at, freshness window, host, pubkey, event id, created_at.
+_ADMISSION_CTES = f"""
 WITH clock AS (
     SELECT abs(extract(epoch FROM now()) - %s::bigint) <= %s::bigint AS fresh
 ), community AS (
@@ -870,8 +871,9 @@ WITH clock AS (
     SELECT community.id, %s::bytea, to_timestamp(%s::bigint)
       FROM community, clock, agent WHERE clock.fresh AND agent.standing = 'enabled'
     ON CONFLICT ON CONSTRAINT wd_replay_event_once DO NOTHING
-    RETURNING 1
-)
+    RETURNING community_id
+)"""
+ADMIT_REQUEST_EVENT = f"""{_ADMISSION_CTES}
 SELECT (SELECT id FROM community), clock.fresh, EXISTS (SELECT 1 FROM recorded),
        (SELECT standing FROM agent)
   FROM clock
@@ -1079,20 +1081,7 @@ _EVENTS = _q(Event._meta.db_table)
 
 
 def _admitted(operation: str, answer: str) -> str:
-    return f"""
-WITH clock AS (
-    SELECT abs(extract(epoch FROM now()) - %s::bigint) <= %s::bigint AS fresh
-), community AS (
-    SELECT id FROM {COMMUNITIES} WHERE lower(host) = lower(%s::text)
-), agent AS MATERIALIZED (
-    SELECT wd_agent_standing(community.id, %s::bytea) AS standing FROM community
-), recorded AS (
-    INSERT INTO {REPLAYS} (community_id, event_id, event_created_at)
-    SELECT community.id, %s::bytea, to_timestamp(%s::bigint)
-      FROM community, clock, agent WHERE clock.fresh AND agent.standing = 'enabled'
-    ON CONFLICT ON CONSTRAINT wd_replay_event_once DO NOTHING
-    RETURNING community_id
-), admission AS (
+    return f"""{_ADMISSION_CTES}, admission AS (
     SELECT (SELECT id FROM community) AS community_id, clock.fresh,
            EXISTS (SELECT 1 FROM recorded) AS recorded, (SELECT standing FROM agent) AS standing
       FROM clock
