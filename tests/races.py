@@ -4,14 +4,12 @@ for the tests that race holders, producers, reapers and purges step by step."""
 from __future__ import annotations
 
 import threading
-import time
 import uuid
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from datetime import datetime
 from typing import Any
 
-import pytest
 from django.db import connection, transaction
 
 from workflow_delivery.models import WorkflowAgentDelivery
@@ -81,15 +79,6 @@ def begin() -> datetime:
 def commit() -> None:
     transaction.commit()
     transaction.set_autocommit(True)
-
-
-def wait_until_blocked(pid: int) -> None:
-    """Return once backend ``pid`` waits for a lock; fail if it never does."""
-    for _ in range(1000):
-        if scalar("SELECT EXISTS (SELECT 1 FROM pg_locks WHERE pid = %s AND NOT granted)", [pid]):
-            return
-        time.sleep(0.01)
-    pytest.fail(f"backend {pid} never waited for the row lock")
 
 
 def limit_lock_waits() -> None:

@@ -21,7 +21,8 @@ import pytest
 from django.db import DatabaseError, connection, transaction
 
 from tests import factories
-from tests.races import scalar, wait_until_blocked
+from tests.locks import wait_until_blocked
+from tests.races import scalar
 from workflow_delivery import fence, services, sql
 from workflow_delivery.exceptions import CommunityWriteFenced, LeaseNotLive, PurgeDeadlocked
 from workflow_delivery.models import Community, WorkflowAgentDelivery
