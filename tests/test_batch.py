@@ -12,6 +12,7 @@ from django.db import connection, transaction
 from django.test import override_settings
 
 from tests import factories
+from tests.locks import wait_until_blocked
 from tests.races import (
     Session,
     begin,
@@ -19,7 +20,6 @@ from tests.races import (
     run_together,
     scalar,
     state,
-    wait_until_blocked,
 )
 from workflow_delivery import fence, services
 from workflow_delivery.exceptions import CommunityWriteFenced, ProtocolError
