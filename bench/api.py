@@ -16,7 +16,9 @@ and then the HTTP phase from the same seed, so a busy machine loads both alike; 
 ratio is HTTP deliveries/s over in-process claim+finish cycles/s of that pair. The
 batch line claims and finishes ``--batch`` deliveries per request. Each side runs
 ``--agents`` processes that start together on a barrier; only cycles that end
-inside the measured window count. Each HTTP agent is an ``AgentClient`` (signing
+inside the measured window count. Each side's CPU per cycle is reported too: the
+agents' own processes, and the rest of the machine (the server, PostgreSQL, anything
+else running), from ``/proc/stat``. Each HTTP agent is an ``AgentClient`` (signing
 every request). Then, per server, ``--wake-samples`` commit -> ``wait`` answers of
 one parked agent, and (uvicorn) the HTTP side again while ``--waiters`` other
 agents sit in ``wait``, against the HTTP side alone just before.
@@ -122,8 +124,10 @@ def _agent(
         close = client.close
     stamps: list[tuple[float, float, int]] = []
     misses = 0
+    cpu = float("nan")
     try:
         barrier.wait(120)
+        cpu_started = time.process_time()
         while not stop.is_set():
             started = time.monotonic()
             claimed = claim()
@@ -133,9 +137,10 @@ def _agent(
             finish(claimed)
             settled = len(claimed) if mode == "http-batch" else 1
             stamps.append((time.monotonic(), time.monotonic() - started, settled))
+        cpu = time.process_time() - cpu_started
     finally:
         close()
-        out.put((index, stamps, misses))
+        out.put((index, stamps, misses, cpu))
 
 
 def _phase(
@@ -154,21 +159,28 @@ def _phase(
         worker.start()
     try:
         barrier.wait(120)
-        begin = time.monotonic() + options.warmup
+        started, busy_started = time.monotonic(), _machine_busy_seconds()
+        begin = started + options.warmup
         end = begin + options.seconds
         time.sleep(end - time.monotonic())
     finally:
         stop.set()
+    busy = _machine_busy_seconds() - busy_started
+    elapsed = time.monotonic() - started
     results = [out.get(timeout=60) for _ in workers]
     for worker in workers:
         worker.join(30)
     inside = [
         (lat, settled)
-        for _, stamps, _ in results
+        for _, stamps, _, _ in results
         for stamp, lat, settled in stamps
         if begin <= stamp < end
     ]
-    misses = sum(miss for _, _, miss in results)
+    misses = sum(miss for _, _, miss, _ in results)
+    # Every cycle of the phase, warm-up included, against the CPU it cost: the agents'
+    # own (their processes) and the machine's whole (the server, PostgreSQL and all).
+    cycles = sum(len(stamps) for _, stamps, _, _ in results) or float("nan")
+    agents_cpu = sum(cpu for _, _, _, cpu in results)
     settled = sum(count for _, count in inside)
     inside = [lat for lat, _ in inside]
     return {
@@ -179,7 +191,23 @@ def _phase(
         "p50_ms": common.percentile(inside, 50) * 1000,
         "p99_ms": common.percentile(inside, 99) * 1000,
         "misses": misses,
+        "agent_cpu_us_per_cycle": agents_cpu / cycles * 1e6,
+        "other_cpu_us_per_cycle": (busy - agents_cpu) / cycles * 1e6,
+        "busy_cores": busy / elapsed,
     }
+
+
+def _machine_busy_seconds() -> float:
+    """CPU seconds the whole machine has spent busy since boot (``/proc/stat``: every
+    state but idle and iowait), or NaN where there is no such file."""
+    try:
+        with open("/proc/stat") as stat:
+            fields = stat.readline().split()[1:]
+    except OSError:
+        return float("nan")
+    ticks = [int(field) for field in fields[:8]]
+    busy = sum(ticks) - ticks[3] - ticks[4]
+    return busy / os.sysconf("SC_CLK_TCK")
 
 
 def _waiters(url: str, secrets: list[bytes], stop: threading.Event) -> list[threading.Thread]:
@@ -265,7 +293,9 @@ def _wake_phase(url: str, tenant: common.Tenant, samples: int) -> dict:
     when the agent's ``wait`` returns the delivery. The agent claims and finishes
     what it was woken for before it waits again; a commit is made only once its
     target is registered idle and 20 ms more have passed, so each is announced by
-    the commit's own notification, not found by the wait's first look."""
+    the commit's own notification, not found by the wait's first look. The commit's
+    own time (its WAL flush) and the rest (notification, server, answer) are reported
+    apart as well."""
     import queue
 
     from workflow_delivery import roster
@@ -292,6 +322,8 @@ def _wake_phase(url: str, tenant: common.Tenant, samples: int) -> dict:
     thread.start()
     idle = IdleWakeTarget.objects.filter(community_id=tenant.community_id, target_pubkey=target)
     latencies: list[float] = []
+    commits: list[float] = []
+    after_commit: list[float] = []
     try:
         for _ in range(samples):
             deadline = time.monotonic() + 15
@@ -302,11 +334,14 @@ def _wake_phase(url: str, tenant: common.Tenant, samples: int) -> dict:
             time.sleep(0.02)
             started = time.monotonic()
             _commit_one(tenant, target)
+            committed = time.monotonic()
             while True:
                 answered, hint = answers.get(timeout=15)
                 if hint is not None:
                     break
             latencies.append(answered - started)
+            commits.append(committed - started)
+            after_commit.append(answered - committed)
     finally:
         stop.set()
         thread.join(15)
@@ -315,6 +350,10 @@ def _wake_phase(url: str, tenant: common.Tenant, samples: int) -> dict:
         "p50_ms": common.percentile(latencies, 50) * 1000,
         "p99_ms": common.percentile(latencies, 99) * 1000,
         "max_ms": max(latencies) * 1000,
+        "commit_p50_ms": common.percentile(commits, 50) * 1000,
+        "commit_p99_ms": common.percentile(commits, 99) * 1000,
+        "after_commit_p50_ms": common.percentile(after_commit, 50) * 1000,
+        "after_commit_p99_ms": common.percentile(after_commit, 99) * 1000,
     }
 
 
@@ -372,7 +411,9 @@ def _arguments(argv: list[str] | None) -> argparse.Namespace:
 def _row(side: dict) -> str:
     return (
         f"| {side['mode']} | {side['cycles_per_s']:.0f} | {side['deliveries_per_s']:.0f} "
-        f"| {side['p50_ms']:.2f} | {side['p99_ms']:.2f} | {side['misses']} |"
+        f"| {side['p50_ms']:.2f} | {side['p99_ms']:.2f} | {side['misses']} "
+        f"| {side['agent_cpu_us_per_cycle']:.0f} | {side['other_cpu_us_per_cycle']:.0f} "
+        f"| {side['busy_cores']:.2f} |"
     )
 
 
@@ -463,8 +504,11 @@ def main(argv: list[str] | None = None) -> int:
         costs = _auth_costs(community, secrets[0], options.auth_calls)
 
     print()
-    print("| run | side | cycles/s | deliveries/s | p50 cycle ms | p99 cycle ms | misses |")
-    print("|---|---|---|---|---|---|---|")
+    print(
+        "| run | side | cycles/s | deliveries/s | p50 cycle ms | p99 cycle ms | misses "
+        "| agents' CPU µs/cycle | rest of the machine µs/cycle | busy cores |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for run, rounds in enumerate(runs, 1):
         for round_ in rounds.values():
             for side in (round_["service"], round_["http"]):
@@ -479,7 +523,9 @@ def main(argv: list[str] | None = None) -> int:
         print(
             f"\nwait woken ({server}), commit -> answer over {wake['samples']} samples:"
             f" p50 {wake['p50_ms']:.2f} ms, p99 {wake['p99_ms']:.2f} ms,"
-            f" max {wake['max_ms']:.2f} ms"
+            f" max {wake['max_ms']:.2f} ms; the commit itself p50 {wake['commit_p50_ms']:.2f},"
+            f" p99 {wake['commit_p99_ms']:.2f} ms; its end -> answer p50"
+            f" {wake['after_commit_p50_ms']:.2f}, p99 {wake['after_commit_p99_ms']:.2f} ms"
         )
     if crowd_ratio is not None:
         print(f"uvicorn with {options.waiters} agents waiting / without: {crowd_ratio:.3f}x")
