@@ -49,7 +49,7 @@ def _arguments(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = _arguments(argv)
     with common.bench_database("buzz_rules", quiet=True) as db:
-        from workflow_delivery import sql
+        from workflow_delivery.store import statements as sql
 
         statement = sql.LOCK_AND_INSERT_DELIVERIES
         with db.connect() as conn:
@@ -73,10 +73,10 @@ def main(argv: list[str] | None = None) -> int:
                                                            t.message_created_at, "event",
                                                            t.cause_id, None, None)),
                 ]  # fmt: skip
-                lock = [str(t.community_id), str(t.run_id), step_id]
-                params = [*lock, t.community_id, *columns]
+                params = dict(zip(sql.INSERT_TYPES, columns, strict=True))
+                params.update(community=t.community_id, run=t.run_id, step=step_id)
                 with conn.transaction():
-                    conn.execute(statement, params, prepare=True)
+                    conn.execute(statement.text, params, prepare=True)
             return (time.perf_counter() - started) / (args.steps * args.targets) * 1e6
 
         results: list[tuple[str, float]] = []

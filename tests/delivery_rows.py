@@ -8,8 +8,9 @@ import uuid
 from django.db import connection, transaction
 
 from tests import factories
-from workflow_delivery import history, services, sql
+from workflow_delivery import history, services
 from workflow_delivery.models import DeliveryTransition, WorkflowAgentDelivery
+from workflow_delivery.store.errors import database_errors
 
 
 def one_delivery() -> tuple[factories.Step, uuid.UUID]:
@@ -59,7 +60,7 @@ def stored(delivery_id: uuid.UUID) -> list[str]:
 
 def raw_sql(statement: str, params: list) -> None:
     """A statement as a site's own SQL would send it; errors named by their constraint."""
-    with transaction.atomic(), sql.database_errors(), connection.cursor() as cursor:
+    with transaction.atomic(), database_errors(), connection.cursor() as cursor:
         cursor.execute(statement, params)
 
 

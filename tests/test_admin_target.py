@@ -15,10 +15,11 @@ from django.test.utils import CaptureQueriesContext
 
 from tests import factories
 from tests.admin_pages import change, changelist, claim, committed, expire, grant
-from workflow_delivery import admin_target, fence, services, sql
+from workflow_delivery import admin_target, fence, services
 from workflow_delivery.admin_target import read_target_state, target_url, when
 from workflow_delivery.models import IdleWakeTarget, WorkflowAgentDelivery
 from workflow_delivery.protocol import Exhausted, Outcome, Retried
+from workflow_delivery.store import statements as sql
 
 pytestmark = pytest.mark.django_db
 
@@ -367,7 +368,7 @@ def test_every_delivery_read_goes_through_an_index(raw):
     committed(step)
     raw.execute("SET LOCAL enable_seqscan = off")
     raw.execute(
-        f"EXPLAIN {sql.TARGET_STATE}",
+        f"EXPLAIN {sql.TARGET_STATE.text}",
         {
             "community": step.community.id,
             "target": step.targets[0],

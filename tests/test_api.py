@@ -20,10 +20,11 @@ from django.utils import timezone
 from tests import factories
 from tests.agent_http import pubkey, secret, signed
 from tests.sessions import listening_sessions
-from workflow_delivery import fence, services, sql
+from workflow_delivery import fence, services
 from workflow_delivery.api import nip98
 from workflow_delivery.api.wake import hub
 from workflow_delivery.models import AgentRequestReplay, IdleWakeTarget, WorkflowAgentDelivery
+from workflow_delivery.store import statements
 
 pytestmark = pytest.mark.django_db
 
@@ -666,7 +667,7 @@ def test_purge_of_a_community_deletes_its_replay_rows():
     generation = factories.move_to(owner.id, "fenced")
     deleted = fence.purge_community(owner.id, generation)
     assert deleted[AgentRequestReplay._meta.db_table] == 1
-    assert AgentRequestReplay._meta.db_table in sql.PURGE_ORDER
+    assert AgentRequestReplay._meta.db_table in [table for table, _ in statements.PURGE]
     assert not AgentRequestReplay.objects.filter(community=owner).exists()
 
 

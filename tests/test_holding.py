@@ -19,10 +19,11 @@ from django.db import connection, transaction
 
 from tests import factories
 from tests.consumers import Running, consumer_for
-from workflow_delivery import services, sql
+from workflow_delivery import services
 from workflow_delivery.exceptions import LeaseNotLive, ProtocolError
 from workflow_delivery.models import WorkflowAgentDelivery
 from workflow_delivery.protocol import DeliveryStatus, Lease, Outcome, Settled
+from workflow_delivery.store import statements as sql
 
 pytestmark = pytest.mark.django_db(transaction=True)
 

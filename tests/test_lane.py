@@ -16,7 +16,7 @@ from django.test import override_settings
 
 from tests import factories
 from tests.sessions import backend_pid, terminate
-from workflow_delivery import fence, lane, services
+from workflow_delivery import fence, services
 from workflow_delivery.exceptions import (
     CommunityWriteFenced,
     DeliveryConflict,
@@ -32,6 +32,8 @@ from workflow_delivery.protocol import (
     Renewed,
     Settled,
 )
+from workflow_delivery.store import lane
+from workflow_delivery.store.statement import Statement
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.psycopg3]
 
@@ -65,9 +67,15 @@ def released_cycle(step: factories.Step, target: bytes) -> Settled:
 
 
 def test_placeholders_are_numbered_for_libpq_and_percent_signs_kept():
-    assert lane.numbered("SELECT %s, %s::text || '%%' WHERE x LIKE 'a%%'") == (
-        b"SELECT $1, $2::text || '%' WHERE x LIKE 'a%'"
-    )
+    statement = Statement("SELECT %(a)s, %(b)s::text || '%%' WHERE x LIKE %(a)s || 'a%%'")
+    assert statement.numbered == b"SELECT $1, $2::text || '%' WHERE x LIKE $3 || 'a%'"
+    assert statement.sql == "SELECT %s, %s::text || '%%' WHERE x LIKE %s || 'a%%'"
+    assert statement.args({"a": 1, "b": 2}) == [1, 2, 1]
+
+
+def test_a_positional_placeholder_is_refused():
+    with pytest.raises(ValueError):
+        Statement("SELECT %s")
 
 
 def test_autocommit_statements_are_prepared_once_and_reused():

@@ -11,9 +11,10 @@ from django.db.models import Count, Min
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests import factories
-from workflow_delivery import fence, services, sql
+from workflow_delivery import fence, services
 from workflow_delivery.exceptions import CommunityWriteFenced, LeaseNotLive
 from workflow_delivery.models import Community, WorkflowAgentDelivery
+from workflow_delivery.store import statements as sql
 
 pytestmark = pytest.mark.django_db
 
@@ -214,13 +215,13 @@ def test_the_figures_and_pruning_never_scan_the_table():
             cursor.execute("RESET workflow_delivery.timeline")
         cursor.execute("VACUUM ANALYZE workflow_agent_deliveries")
         statements = [
-            (sql.METRICS_PENDING, []),
-            (sql.METRICS_CLAIMED, []),
-            (sql.METRICS_TERMINAL, []),
-            (sql.PRUNE_BATCH, [step.created_at, 1000]),
-            (sql.PRUNE_COUNT, [step.created_at]),
+            (sql.METRICS_PENDING, None),
+            (sql.METRICS_CLAIMED, None),
+            (sql.METRICS_TERMINAL, None),
+            (sql.PRUNE_BATCH, {"cutoff": step.created_at, "limit": 1000}),
+            (sql.PRUNE_COUNT, {"cutoff": step.created_at}),
         ]
         for statement, params in statements:
-            cursor.execute(f"EXPLAIN {statement}", params)
+            cursor.execute(f"EXPLAIN {statement.sql}", statement.args(params))
             plan = "\n".join(line for (line,) in cursor.fetchall())
             assert "Seq Scan on workflow_agent_deliveries" not in plan, plan

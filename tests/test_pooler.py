@@ -128,7 +128,7 @@ def test_the_lifecycle_runs_through_the_pooler_with_statements_unprepared(throug
 
 @pytest.mark.psycopg3
 def test_a_pooler_is_seen_and_a_direct_connection_is_not(through):
-    from workflow_delivery import db
+    from workflow_delivery.store import run as db
 
     direct = DatabaseWrapper(real_server(connection.settings_dict), alias="direct")
     try:

@@ -23,10 +23,11 @@ from django.db import DatabaseError, connection, transaction
 from tests import factories
 from tests.locks import wait_until_blocked
 from tests.races import scalar
-from workflow_delivery import fence, services, sql
+from workflow_delivery import fence, services
 from workflow_delivery.exceptions import CommunityWriteFenced, LeaseNotLive, PurgeDeadlocked
 from workflow_delivery.models import Community, WorkflowAgentDelivery
 from workflow_delivery.protocol import Lease, LeaseLost, Outcome
+from workflow_delivery.store import statements as sql
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -191,8 +192,8 @@ def test_a_writer_arriving_during_a_purge_waits_for_it_without_deadlock(elsewher
             locked.set()
             assert go.wait(30)
             with connection.cursor() as cursor:
-                for table in sql.PURGE_ORDER:
-                    cursor.execute(sql.purge_statement(table), [str(step.community.id)])
+                for table, purge in sql.PURGE:
+                    cursor.execute(purge.sql, purge.args({"community_id": str(step.community.id)}))
                     deleted[table] = cursor.rowcount
         return deleted
 

@@ -17,7 +17,7 @@ from django.test import Client, override_settings
 from django.urls import reverse
 
 from tests import factories
-from workflow_delivery import checks, history, services, sql, wire
+from workflow_delivery import checks, history, services, wire
 from workflow_delivery.api.wake import hub
 from workflow_delivery.consumer import Consumer, PermanentFailure
 from workflow_delivery.exceptions import (
@@ -35,6 +35,7 @@ from workflow_delivery.protocol import (
     Retried,
     Settled,
 )
+from workflow_delivery.store.errors import database_errors
 
 pytestmark = pytest.mark.django_db
 
@@ -376,7 +377,7 @@ def test_a_reaped_lease_is_claimable_at_once():
 
 
 def raw_update(assignments: str, delivery_id: uuid.UUID, params: list | None = None) -> None:
-    with transaction.atomic(), sql.database_errors(), connection.cursor() as cursor:
+    with transaction.atomic(), database_errors(), connection.cursor() as cursor:
         cursor.execute(
             f"UPDATE workflow_agent_deliveries SET {assignments} WHERE id = %s",
             [*(params or []), delivery_id],
@@ -430,7 +431,7 @@ def test_a_retry_entry_always_carries_an_error():
     with (
         pytest.raises(ConstraintViolation) as refused,
         transaction.atomic(),
-        sql.database_errors(),
+        database_errors(),
         connection.cursor() as cursor,
     ):
         cursor.execute(

@@ -17,7 +17,7 @@ from django.db import DatabaseError, IntegrityError, connection, connections, tr
 from django.test import Client
 
 from tests import factories
-from workflow_delivery import errors, fence, roster, services, sql
+from workflow_delivery import errors, fence, roster, services
 from workflow_delivery.exceptions import (
     AgentNotEnrolled,
     CommunityNotFound,
@@ -32,6 +32,7 @@ from workflow_delivery.models import (
     WorkflowAgentDelivery,
 )
 from workflow_delivery.protocol import DeliveryStatus, LeaseLost, NewDelivery, Outcome, Renewed
+from workflow_delivery.store import rows
 
 pytestmark = pytest.mark.django_db
 
@@ -109,7 +110,7 @@ def test_the_database_refuses_a_raw_insert_and_a_retarget_to_a_key_not_enrolled(
     step = factories.Step()
     delivery = factories.committed(step)[0]
     other = step.binding(factories.key32(), step_id="raw")
-    columns = sql.RECORD_COLUMNS[:13]
+    columns = rows.RECORD_COLUMNS[:13]
     values = [uuid.uuid4(), *sql_values(other, step)]
     with pytest.raises(DatabaseError) as caught, transaction.atomic():
         raw.execute(
@@ -128,8 +129,6 @@ def test_the_database_refuses_a_raw_insert_and_a_retarget_to_a_key_not_enrolled(
 
 
 def sql_values(binding, step: factories.Step) -> list[object]:
-    from workflow_delivery import db
-
     return [
         binding.community_id,
         binding.workflow_id,
@@ -139,7 +138,7 @@ def sql_values(binding, step: factories.Step) -> list[object]:
         binding.definition_event_id,
         binding.message_event_id,
         step.created_at,
-        *db.cause_columns(binding),
+        *rows.cause_columns(binding),
     ]
 
 

@@ -17,7 +17,6 @@ from django.test import override_settings
 from django.test.utils import CaptureQueriesContext
 
 from tests import factories
-from workflow_delivery import db as delivery_db
 from workflow_delivery import fence, services
 from workflow_delivery.conf import app_settings
 from workflow_delivery.exceptions import CommunityWriteFenced, ProtocolError
@@ -31,6 +30,7 @@ from workflow_delivery.protocol import (
     Settled,
     WebhookCause,
 )
+from workflow_delivery.store import run as store_run
 
 CAUSES = [
     EventCause(b"\x07" * 32),
@@ -79,14 +79,14 @@ def test_data_coming_in_is_still_validated(db):
 
 @pytest.mark.psycopg3  # the reused cursor is psycopg 3's
 def test_a_scope_inside_another_gets_its_own_cursor(db):
-    with delivery_db.cursor("default") as outer:
+    with store_run.cursor("default") as outer:
         outer.execute("SELECT generate_series(1, 3)")
-        with delivery_db.cursor("default") as inner:
+        with store_run.cursor("default") as inner:
             assert inner is not outer
             inner.execute("SELECT 42")
             assert inner.fetchone() == (42,)
         assert outer.fetchall() == [(1,), (2,), (3,)]
-    with delivery_db.cursor("default") as again:
+    with store_run.cursor("default") as again:
         assert again is outer
 
 
@@ -106,7 +106,7 @@ def test_a_connection_shared_between_threads_never_lends_one_cursor_twice(transa
     try:
 
         def use() -> None:
-            with delivery_db.cursor("default") as cursor:
+            with store_run.cursor("default") as cursor:
                 seen.append(cursor)
 
         use()
@@ -127,7 +127,7 @@ def test_a_connection_of_another_thread_is_refused(transactional_db):
         try:
             # This thread's handler would open its own connection; hand it ours.
             connections["default"] = ours
-            with delivery_db.cursor("default"):
+            with store_run.cursor("default"):
                 pass
         except BaseException as exc:  # noqa: BLE001 - reported to the test thread
             errors.append(exc)
@@ -161,11 +161,11 @@ def test_the_reused_cursor_serves_again_after_a_refused_statement(db):
     factories.committed(healthy)
     factories.committed(frozen)
     fence.transition_community(frozen.community.id, "quiescing")
-    with delivery_db.cursor("default") as before:
+    with store_run.cursor("default") as before:
         pass
     with pytest.raises(CommunityWriteFenced):
         services.claim_delivery(frozen.community.id, frozen.targets[0])
-    with delivery_db.cursor("default") as after:
+    with store_run.cursor("default") as after:
         assert after is before
     lease, _ = services.claim_delivery(healthy.community.id, healthy.targets[0])
     assert services.finish_delivery(lease, Outcome.FINISHED) == Settled(Outcome.FINISHED)
@@ -190,7 +190,7 @@ def test_claim_and_finish_are_prepared_with_a_literal_pending(db):
     claim = [text for text in statements if "FOR UPDATE SKIP LOCKED" in text]
     assert claim, statements
     # A literal lets the generic plan use the partial claim index.
-    assert "= ('pending')" in claim[0]
+    assert "status = 'pending'" in claim[0]
     settle = "SET status = $1, finished_at = statement_timestamp()"
     assert any(settle in text for text in statements)
 

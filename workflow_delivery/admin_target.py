@@ -1,6 +1,6 @@
 """The admin's answer to "why is this not delivered?" for one (community, target).
 
-One statement (``sql.TARGET_STATE``) reads what the inbox holds for the target: its
+One statement (``store.statements.TARGET_STATE``) reads what the inbox holds for the target: its
 pending rows (how many wait for a retry backoff, the next to become claimable, the
 oldest), its claimed rows (expired leases the reaper has not taken yet), its settles
 among the community's most recent ones, its last error, its last claim and whether a
@@ -25,9 +25,9 @@ from django.urls import reverse
 from django.utils import timezone
 from django.utils.dateformat import format as date_format
 
-from . import sql
 from .conf import app_settings
 from .models import DeletionState
+from .store import run, statements
 
 if TYPE_CHECKING:
     from django.contrib.admin import ModelAdmin
@@ -104,7 +104,7 @@ def read_target_state(
         "cap": app_settings.MAX_ATTEMPTS,
     }
     with connections[using].cursor() as cursor:
-        cursor.execute(sql.TARGET_STATE, params)
+        run.execute(cursor, statements.TARGET_STATE, params)
         row = cursor.fetchone()
     (now, host, state, *figures) = row
     if host is None:

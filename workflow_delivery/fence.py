@@ -18,7 +18,6 @@ from uuid import UUID
 
 from django.db import DEFAULT_DB_ALIAS, DatabaseError, OperationalError, connections, transaction
 
-from . import errors, sql
 from .exceptions import (
     CommunityNotFound,
     ExecutorNotAuthorized,
@@ -30,6 +29,8 @@ from .exceptions import (
 )
 from .models import DeletionState
 from .protocol import as_uuid
+from .store import run, statements
+from .store.errors import database_errors, sqlstate
 
 
 def _state(value: str) -> DeletionState:
@@ -42,9 +43,10 @@ def _state(value: str) -> DeletionState:
 
 
 def _lock_exclusive(cursor, community_id: UUID) -> tuple[DeletionState, int]:
-    cursor.execute(sql.REQUIRE_READ_COMMITTED)
-    cursor.execute(sql.LOCK_COMMUNITY_EXCLUSIVE, [str(community_id)])
-    cursor.execute(sql.COMMUNITY_FENCE_STATE, [str(community_id)])
+    community = {"community_id": str(community_id)}
+    run.execute(cursor, statements.REQUIRE_READ_COMMITTED)
+    run.execute(cursor, statements.LOCK_COMMUNITY_EXCLUSIVE, community)
+    run.execute(cursor, statements.COMMUNITY_FENCE_STATE, community)
     row = cursor.fetchone()
     if row is None:
         raise CommunityNotFound(f"community {community_id} does not exist")
@@ -72,7 +74,7 @@ def transition_community(
     source = None if expected is None else _state(expected)
     with (
         transaction.atomic(using=using),
-        sql.database_errors(),
+        database_errors(),
         connections[using].cursor() as cursor,
     ):
         current, generation = _lock_exclusive(cursor, community_id)
@@ -83,7 +85,11 @@ def transition_community(
             )
         if current == target:
             return generation
-        cursor.execute(sql.SET_COMMUNITY_STATE, [target.value, str(community_id)])
+        run.execute(
+            cursor,
+            statements.SET_COMMUNITY_STATE,
+            {"state": target.value, "community_id": str(community_id)},
+        )
         return cursor.fetchone()[0]
 
 
@@ -102,7 +108,7 @@ def executor_writes(
     community_id = as_uuid("community_id", community_id)
     with transaction.atomic(using=using), connections[using].cursor() as cursor:
         # Only the lock is translated: the block's own errors reach it unchanged.
-        with sql.database_errors():
+        with database_errors():
             state, current = _lock_exclusive(cursor, community_id)
         if current != generation:
             raise StaleFenceGeneration(
@@ -113,18 +119,22 @@ def executor_writes(
         yield state
         # The presentation is transaction-local: an error rolls it back with the
         # block; on success clear it so an enclosing transaction keeps no authority.
-        cursor.execute(sql.WITHDRAW_EXECUTOR)
+        run.execute(cursor, statements.WITHDRAW_EXECUTOR)
 
 
 def _present(cursor, community_id: UUID, generation: int, using: str) -> None:
     try:
         # Under a savepoint, so the refusal can still name the role.
         with transaction.atomic(using=using):
-            cursor.execute(sql.PRESENT_EXECUTOR, [str(community_id), generation])
+            run.execute(
+                cursor,
+                statements.PRESENT_EXECUTOR,
+                {"community_id": str(community_id), "generation": generation},
+            )
     except DatabaseError as exc:
-        if errors.sqlstate(exc) != "42501":  # insufficient_privilege
+        if sqlstate(exc) != "42501":  # insufficient_privilege
             raise
-        cursor.execute(sql.CURRENT_ROLE)
+        run.execute(cursor, statements.CURRENT_ROLE)
         raise ExecutorNotAuthorized(
             f"role {cursor.fetchone()[0]} may not act as the deletion executor of community "
             f"{community_id}: it needs EXECUTE on wd_present_executor (an executor role)"
@@ -156,7 +166,7 @@ def purge_community(
         try:
             return _purge(community_id, generation, using)
         except OperationalError as exc:
-            if errors.sqlstate(exc) != "40P01":  # deadlock_detected
+            if sqlstate(exc) != "40P01":  # deadlock_detected
                 raise
             if attempt >= attempts:
                 raise PurgeDeadlocked(
@@ -173,8 +183,8 @@ def _purge(community_id: UUID, generation: int, using: str) -> dict[str, int]:
                 f"community {community_id} is active: begin its deletion before purging"
             )
         with connections[using].cursor() as cursor:
-            for table in sql.PURGE_ORDER:
-                cursor.execute(sql.purge_statement(table), [str(community_id)])
+            for table, purge in statements.PURGE:
+                run.execute(cursor, purge, {"community_id": str(community_id)})
                 deleted[table] = cursor.rowcount
     return deleted
 
@@ -183,5 +193,5 @@ def community_write_allowed(community_id: UUID | str, *, using: str = DEFAULT_DB
     """The database's own verdict: true only for an existing, active community."""
     community_id = as_uuid("community_id", community_id)
     with transaction.atomic(using=using), connections[using].cursor() as cursor:
-        cursor.execute(sql.COMMUNITY_WRITE_ALLOWED, [str(community_id)])
+        run.execute(cursor, statements.COMMUNITY_WRITE_ALLOWED, {"community_id": str(community_id)})
         return bool(cursor.fetchone()[0])

@@ -28,9 +28,9 @@ from django.views.decorators.http import require_GET
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from prometheus_client.core import GaugeMetricFamily, Metric
 
-from . import db, sql
 from .counters import REGISTRY
 from .models import STATUSES, DeletionState
+from .store import run, statements
 
 
 @dataclass
@@ -44,21 +44,21 @@ class CommunityFigures:
 
 def community_figures(using: str = DEFAULT_DB_ALIAS) -> dict[object, CommunityFigures]:
     """Every community's figures, keyed by its id, from four index-served queries."""
-    with db.cursor(using) as cursor:
-        cursor.execute(sql.METRICS_COMMUNITIES)
+    with run.cursor(using) as cursor:
+        run.execute(cursor, statements.METRICS_COMMUNITIES)
         figures = {cid: CommunityFigures(host, state) for cid, host, state in cursor.fetchall()}
-        cursor.execute(sql.METRICS_PENDING)
+        run.execute(cursor, statements.METRICS_PENDING)
         for cid, count, age in cursor.fetchall():
             if cid in figures:
                 figures[cid].counts["pending"] = count
                 figures[cid].oldest_pending_age = float(age)
-        cursor.execute(sql.METRICS_CLAIMED)
+        run.execute(cursor, statements.METRICS_CLAIMED)
         for cid, count, expired in cursor.fetchall():
             if cid in figures:
                 figures[cid].counts["claimed"] = count
                 if figures[cid].state == DeletionState.ACTIVE:
                     figures[cid].expired_leases = expired
-        cursor.execute(sql.METRICS_TERMINAL)
+        run.execute(cursor, statements.METRICS_TERMINAL)
         for cid, status, count in cursor.fetchall():
             if cid in figures:
                 figures[cid].counts[status] = count

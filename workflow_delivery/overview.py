@@ -7,15 +7,15 @@ from django.db import DEFAULT_DB_ALIAS
 from django.utils.html import format_html, format_html_join
 from django.utils.safestring import SafeString
 
-from . import db, sql
+from .store import run, statements
 
 WIDTH, HEIGHT, MARGIN = 720, 180, 30
 
 
 def settles_per_minute(using: str = DEFAULT_DB_ALIAS) -> list[int]:
     """60 counts, oldest minute first; the last is the minute now running."""
-    with db.cursor(using) as cursor:
-        cursor.execute(sql.SETTLES_PER_MINUTE)
+    with run.cursor(using) as cursor:
+        run.execute(cursor, statements.SETTLES_PER_MINUTE)
         return [count for _, count in cursor.fetchall()]
 
 

@@ -721,7 +721,7 @@ def stored_lease(community_id: UUID, target_pubkey: bytes, record: DeliveryRecor
 def stored_message(
     event_id: bytes, created_at: datetime, pubkey: bytes, kind: int, tags: str, content: str
 ) -> MessageEvent:
-    """A message event as a statement read it: the columns of ``sql.MESSAGE_EVENTS``
+    """A message event as a statement read it: the columns of ``store.statements.MESSAGE_EVENTS``
     (``tags`` as JSON text), not re-validated."""
     return MessageEvent(
         id=bytes(event_id),

@@ -21,11 +21,11 @@ from uuid import UUID
 
 from django.db import DEFAULT_DB_ALIAS
 
-from . import db, sql
 from .exceptions import AgentNotEnrolled, ProtocolError
 from .models import AGENT_LABEL_MAX_LENGTH
 from .protocol import Revocation, RosterEntry, as_bytes32, as_uuid
 from .services._common import _operator, _transaction_as
+from .store import run, statements
 
 __all__ = ["enroll_agent", "enroll_agents", "reinstate_agent", "revoke_agent"]
 
@@ -74,7 +74,11 @@ def enroll_agents(
     label = _label(label)
     if not keys:
         return []
-    rows = db.fetch(using, sql.ENROLL_AGENTS, [community_id, label, keys, label])
+    rows = run.fetch(
+        using,
+        statements.ENROLL_AGENTS,
+        {"community_id": community_id, "label": label, "pubkeys": keys},
+    )
     return sorted((_entry(row) for row in rows), key=lambda entry: entry.pubkey)
 
 
@@ -116,12 +120,13 @@ def revoke_agent(
     # One transaction: the roster lock is held until the revocation and the release
     # of the key's leases commit together.
     with _transaction_as(actor, using) as cursor:
-        cursor.execute(sql.LOCK_ROSTER_EXCLUSIVE, [community_id, community_id])
-        cursor.execute(sql.REVOKE_AGENT, [community_id, pubkey])
+        key = {"community_id": community_id, "pubkey": pubkey}
+        run.execute(cursor, statements.LOCK_ROSTER_EXCLUSIVE, key)
+        run.execute(cursor, statements.REVOKE_AGENT, key)
         row = cursor.fetchone()
         if row is None:
             raise _not_enrolled(community_id, pubkey)
-        cursor.execute(sql.RELEASE_AGENT_LEASES, [community_id, pubkey])
+        run.execute(cursor, statements.RELEASE_AGENT_LEASES, key)
         released = tuple(sorted(found for (found,) in cursor.fetchall()))
     return Revocation(entry=_entry(row), released=released)
 
@@ -132,7 +137,9 @@ def reinstate_agent(
     """Enable a revoked agent again (an enabled one is left as it is); returns its entry.
     A key not in the roster raises ``AgentNotEnrolled``."""
     community_id, pubkey = _scope(community_id, pubkey)
-    rows = db.fetch(using, sql.REINSTATE_AGENT, [community_id, pubkey])
+    rows = run.fetch(
+        using, statements.REINSTATE_AGENT, {"community_id": community_id, "pubkey": pubkey}
+    )
     if not rows:
         raise _not_enrolled(community_id, pubkey)
     return _entry(rows[0])

@@ -32,7 +32,6 @@ from uuid import UUID
 from django.contrib.postgres.functions import TransactionNow
 from django.db import DEFAULT_DB_ALIAS
 
-from . import db, sql
 from .exceptions import CommunityNotFound, IdempotencyConflict, ProtocolError
 from .keys import event_id as nip01_event_id
 from .models import Community, Event, Workflow, WorkflowAgentDelivery, WorkflowRun
@@ -54,6 +53,8 @@ from .protocol import (
     as_uuid,
     message_v1_targets,
 )
+from .store.errors import database_errors
+from .store.rows import RECORD_COLUMNS, record
 
 __all__ = ["MAX_TARGETS", "NAMESPACE", "UNSIGNED_SENDER", "WORKFLOW_NAME", "send_message"]
 
@@ -176,9 +177,9 @@ def _records(community_id: UUID, run_id: UUID, step_id: str, using: str) -> list
     rows = (
         WorkflowAgentDelivery.objects.using(using)
         .filter(community_id=community_id, run_id=run_id, step_id=step_id)
-        .values_list(*sql.RECORD_COLUMNS)
+        .values_list(*RECORD_COLUMNS)
     )
-    return [db.record(row) for row in rows]
+    return [record(row) for row in rows]
 
 
 def _in_target_order(records: list[DeliveryRecord], targets: list[bytes]) -> tuple:
@@ -424,7 +425,7 @@ def send_message(
         if identity.exists:
             return _already_sent(community_id, run, key, request, using)
         # Every write below commits with the deliveries or rolls back with them.
-        with sql.database_errors():
+        with database_errors():
             now = _database_now(community_id, using)
             stored_run = _run(community_id, run, run_id is not None, workflow, using)
             if given_event is None:

@@ -1,6 +1,6 @@
 """Claim, renew and finish, each admitted and served by one statement.
 
-The statement (``sql.SERVED_CLAIM``, ``SERVED_RENEW``, ``SERVED_FINISH``) looks up
+The statement (``store.statements.SERVED_CLAIM``, ``SERVED_RENEW``, ``SERVED_FINISH``) looks up
 the community of the request's host and where the signing key stands in its roster,
 checks the event's freshness, records it in the replay guard, runs the operation on
 that community only if the event was recorded, and for a claim reads the claimed
@@ -22,7 +22,7 @@ from uuid import UUID
 
 from django.db import DEFAULT_DB_ALIAS, connections
 
-from .. import counters, db, sql
+from .. import counters
 from ..conf import app_settings
 from ..exceptions import ConstraintViolation
 from ..protocol import (
@@ -41,14 +41,17 @@ from ..protocol import (
     stored_message,
 )
 from ..services.holder import _lease_seconds
+from ..store import rows, run, statements
+from ..store.errors import REQUEST_REFUSED
+from ..store.statement import Statement
 from .auth import Signed, admitted
 
-_RECORD = len(sql.RECORD_COLUMNS)
+_RECORD = len(rows.RECORD_COLUMNS)
 _ADMISSION = 4
 
 
 class _Refused(Exception):
-    """The statement's operation refused (``sql.wd_refuse_request``)."""
+    """The statement's operation refused (``wd_refuse_request``)."""
 
 
 def _usable(raw: Any) -> bool:
@@ -79,26 +82,34 @@ def check_connection(using: str = DEFAULT_DB_ALIAS) -> None:
     wrapper.health_check_done = True
 
 
-def _run(signed: Signed, statement: str, params: list[object]) -> tuple[UUID, list[tuple]]:
+def _run(
+    signed: Signed, statement: Statement, params: dict[str, object]
+) -> tuple[UUID, list[tuple]]:
     """The statement's rows once the request is admitted (else its refusal)."""
     event = signed.event
     skew = app_settings.API_MAX_CLOCK_SKEW_SECONDS
-    admission = [event.created_at, skew, signed.host, signed.pubkey, event.id, event.created_at]
+    params.update(
+        created_at=event.created_at,
+        skew=skew,
+        host=signed.host,
+        pubkey=signed.pubkey,
+        event_id=event.id,
+    )
     check_connection()
     try:
-        rows = db.fetch(DEFAULT_DB_ALIAS, statement, [*admission, *params])
+        answer = run.fetch(DEFAULT_DB_ALIAS, statement, params)
     except ConstraintViolation as exc:
-        if exc.constraint == sql._REFUSED:
+        if exc.constraint == REQUEST_REFUSED:
             raise _Refused from exc
         raise
-    community_id, fresh, recorded, standing = rows[0][:_ADMISSION]
+    community_id, fresh, recorded, standing = answer[0][:_ADMISSION]
     found = RequestAdmission(
         community_id=community_id,
         fresh=bool(fresh),
         recorded=bool(recorded),
         standing=None if standing is None else AgentStanding(standing),
     )
-    return admitted(signed.host, signed.pubkey, found), rows
+    return admitted(signed.host, signed.pubkey, found), answer
 
 
 def _message(columns: tuple) -> MessageEvent | None:
@@ -112,12 +123,14 @@ def claim(
     """Claim up to ``limit`` of the caller's oldest claimable deliveries, oldest first,
     each with its lease and message."""
     seconds = _lease_seconds(lease_seconds)
-    community_id, rows = _run(signed, sql.SERVED_CLAIM, [signed.pubkey, limit, seconds])
+    community_id, answer = _run(
+        signed, statements.SERVED_CLAIM, {"limit": limit, "lease_seconds": seconds}
+    )
     claimed = []
-    for row in rows:
+    for row in answer:
         if row[_ADMISSION] is None:
             continue
-        record = db.record(row[_ADMISSION : _ADMISSION + _RECORD])
+        record = rows.record(row[_ADMISSION : _ADMISSION + _RECORD])
         message = _message(row[_ADMISSION + _RECORD :])
         claimed.append((stored_lease(community_id, signed.pubkey, record), record, message))
     # UPDATE … RETURNING has no order of its own; hand the rows out as picked.
@@ -131,13 +144,13 @@ def renew(
 ) -> Renewed | LeaseLost:
     """Extend the caller's live lease; a lost lease leaves nothing recorded."""
     seconds = _lease_seconds(lease_seconds)
-    params = [seconds, delivery_id, signed.pubkey, generation]
+    params = {"lease_seconds": seconds, "delivery_id": delivery_id, "generation": generation}
     try:
-        _, rows = _run(signed, sql.SERVED_RENEW, params)
+        _, answer = _run(signed, statements.SERVED_RENEW, params)
     except _Refused:
         counters.LEASES_LOST.inc()
         return LeaseLost()
-    return Renewed(lease_until=rows[0][_ADMISSION])
+    return Renewed(lease_until=answer[0][_ADMISSION])
 
 
 def finish(
@@ -145,13 +158,13 @@ def finish(
 ) -> Settled | AlreadyTerminal | LeaseLost:
     """Settle the caller's lease once: what ``services.finish_delivery`` answers; a
     lost lease leaves nothing recorded."""
-    capability = [delivery_id, signed.pubkey, generation]
+    params = {"outcome": outcome.value, "delivery_id": delivery_id, "generation": generation}
     try:
-        _, rows = _run(signed, sql.SERVED_FINISH, [outcome.value, *capability, *capability])
+        _, answer = _run(signed, statements.SERVED_FINISH, params)
     except _Refused:
         counters.LEASES_LOST.inc()
         return LeaseLost()
-    settled, seen = rows[0][_ADMISSION : _ADMISSION + 2]
+    settled, seen = answer[0][_ADMISSION : _ADMISSION + 2]
     if settled is not None:
         counters.SETTLED[outcome.value].inc()
         return Settled(outcome=outcome)

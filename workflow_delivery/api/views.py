@@ -20,7 +20,7 @@ from ninja import NinjaAPI, Query, Status
 from ninja.decorators import decorate_view
 from ninja.errors import AuthenticationError, HttpError, ValidationError
 
-from .. import db, services, wire
+from .. import services, wire
 from ..conf import app_settings
 from ..exceptions import AgentAuthRefused, CommunityWriteFenced, ProtocolError
 from ..models import WorkflowAgentDelivery
@@ -35,6 +35,7 @@ from ..protocol import (
     Settled,
     as_uuid,
 )
+from ..store.run import one_transaction
 from . import schema, served
 from .auth import (
     ApiError,
@@ -132,7 +133,7 @@ def in_one_transaction(run: Callable[..., HttpResponse]) -> Callable[..., HttpRe
     @wraps(run)
     def answer(request: HttpRequest, *args: object, **kwargs: object) -> HttpResponse:
         served.check_connection()
-        with db.one_transaction(DEFAULT_DB_ALIAS):
+        with one_transaction(DEFAULT_DB_ALIAS):
             response = run(request, *args, **kwargs)
             if response.status_code >= 400:
                 transaction.set_rollback(True)
@@ -225,7 +226,7 @@ def _claim_named(request: HttpRequest, signed: Signed, payload: schema.ClaimIn) 
     """A claim of one named delivery, or of one bound as expected: admitted, claimed
     and its message read in one transaction, all rolled back on a refusal."""
     served.check_connection()
-    with db.one_transaction(DEFAULT_DB_ALIAS):
+    with one_transaction(DEFAULT_DB_ALIAS):
         community_id = admit(signed.host, signed.event, signed.pubkey)
         claimed = services.claim_delivery(
             community_id,

@@ -9,9 +9,9 @@ from typing import Any
 
 from django.db import transaction
 
-from .. import db, sql
 from ..conf import app_settings
 from ..exceptions import ProtocolError
+from ..store import run, statements
 from ..validation import is_whole_number
 
 
@@ -33,7 +33,7 @@ def _transaction_as(actor: str, using: str) -> Iterator[Any]:
     """A transaction (or the caller's) whose statements the timeline trigger records as
     done by ``actor``. The setting is transaction-local, and cleared at the end of the
     block in case the transaction is the caller's and goes on."""
-    with transaction.atomic(using=using), db.cursor(using, savepoint=False) as cursor:
-        cursor.execute(sql.SET_ACTOR, [actor])
+    with transaction.atomic(using=using), run.cursor(using, savepoint=False) as cursor:
+        run.execute(cursor, statements.SET_ACTOR, {"actor": actor})
         yield cursor
-        cursor.execute(sql.SET_ACTOR, [""])
+        run.execute(cursor, statements.SET_ACTOR, {"actor": ""})

@@ -12,7 +12,7 @@ from uuid import UUID
 
 from django.db import DEFAULT_DB_ALIAS, transaction
 
-from .. import counters, db, sql
+from .. import counters
 from ..conf import app_settings
 from ..exceptions import (
     InvalidLeaseSeconds,
@@ -26,6 +26,7 @@ from ..protocol import (
     DeliveryBinding,
     DeliveryRecord,
     DeliveryStatus,
+    ErrorReport,
     Exhausted,
     Lease,
     LeaseLost,
@@ -40,6 +41,7 @@ from ..protocol import (
     stored_lease,
     stored_message,
 )
+from ..store import rows, run, statements
 from ..validation import LEASE_SECONDS_BOUND, is_delay_seconds, is_whole_number
 from ._common import _max_attempts
 
@@ -61,10 +63,23 @@ def _lease_seconds(value: object) -> int:
     return value
 
 
-def _lease_params(lease: object) -> list[object]:
+def _lease_params(lease: object) -> dict[str, object]:
     if not isinstance(lease, Lease):
         raise ProtocolError("lease", f"must be a Lease, not {type(lease).__name__}")
-    return [lease.community_id, lease.delivery_id, lease.target_pubkey, lease.generation]
+    return {
+        "community_id": lease.community_id,
+        "delivery_id": lease.delivery_id,
+        "target_pubkey": lease.target_pubkey,
+        "generation": lease.generation,
+    }
+
+
+def _error_params(report: ErrorReport) -> dict[str, object]:
+    return {
+        "traceback": report.traceback or "",
+        "error_type": report.type,
+        "error_message": report.message,
+    }
 
 
 def _outcome(value: object) -> Outcome:
@@ -74,35 +89,32 @@ def _outcome(value: object) -> Outcome:
         raise ProtocolError("outcome", f"must be finished or failed, not {value!r}") from None
 
 
-def _claim_filters(
-    community_id: UUID,
-    target_pubkey: bytes,
-    delivery_id: UUID | None,
-    expected: DeliveryBinding | None,
-) -> dict[str, object]:
-    filters: dict[str, object] = {
-        "community_id": community_id,
-        "target_pubkey": target_pubkey,
-    }
+def _claim(
+    params: dict[str, object], delivery_id: UUID | None, expected: DeliveryBinding | None
+) -> statements.Statement:
+    """The claim statement of this shape, its extra parameters added to ``params``."""
     if delivery_id is not None:
-        filters["id"] = delivery_id
-    if expected is not None:
-        filters.update(
-            workflow_id=expected.workflow_id,
-            run_id=expected.run_id,
-            step_id=expected.step_id,
-            definition_event_id=expected.definition_event_id,
-            message_event_id=expected.message_event_id,
-            cause_kind=expected.cause.kind.value,
-        )
-        _, event_id, scheduled_for, invocation_id = db.cause_columns(expected)
-        if event_id is not None:
-            filters["cause_event_id"] = event_id
-        elif scheduled_for is not None:
-            filters["cause_scheduled_for"] = scheduled_for
-        else:
-            filters["cause_webhook_invocation_id"] = invocation_id
-    return filters
+        params["delivery_id"] = delivery_id
+    if expected is None:
+        return statements.CLAIM if delivery_id is None else statements.CLAIM_BY_ID
+    params.update(
+        workflow_id=expected.workflow_id,
+        run_id=expected.run_id,
+        step_id=expected.step_id,
+        definition_event_id=expected.definition_event_id,
+        message_event_id=expected.message_event_id,
+    )
+    kind, event_id, scheduled_for, invocation_id = rows.cause_columns(expected)
+    if event_id is not None:
+        column, value = "cause_event_id", event_id
+    elif scheduled_for is not None:
+        column, value = "cause_scheduled_for", scheduled_for
+    else:
+        column, value = "cause_webhook_invocation_id", invocation_id
+    params["cause_kind"] = kind
+    params[column] = value
+    shapes = statements.CLAIM_EXPECTED if delivery_id is None else statements.CLAIM_BY_ID_EXPECTED
+    return shapes[column]
 
 
 def claim_delivery(
@@ -126,16 +138,20 @@ def claim_delivery(
             raise ProtocolError("expected", "must be a DeliveryBinding")
         if expected.community_id != community_id or expected.target_pubkey != target_pubkey:
             return None
-    filters = _claim_filters(community_id, target_pubkey, delivery_id, expected)
-    statement, params = db.claim_statement(filters, using)
+    params = {
+        "community_id": community_id,
+        "target_pubkey": target_pubkey,
+        "lease_seconds": seconds,
+    }
+    statement = _claim(params, delivery_id, expected)
     # One statement: the locking SELECT and the UPDATE share one transaction (the
     # statement's own in autocommit, or the caller's), so the row lock lasts exactly
     # as long as needed.
-    rows = db.fetch(using, statement, [*params, seconds])
-    if not rows:
+    claimed = run.fetch(using, statement, params)
+    if not claimed:
         return None
     counters.CLAIMS.inc()
-    record = db.record(rows[0])
+    record = rows.record(claimed[0])
     return stored_lease(community_id, target_pubkey, record), record
 
 
@@ -158,8 +174,13 @@ def claim_deliveries(
     seconds = _lease_seconds(lease_seconds)
     # One statement: the locking SELECT and the UPDATE share its transaction, so the
     # row locks last exactly as long as needed (or the caller's transaction).
-    rows = db.fetch(using, sql.CLAIM_BATCH, [community_id, target_pubkey, limit, seconds])
-    records = [db.record(row) for row in rows]
+    params = {
+        "community_id": community_id,
+        "target_pubkey": target_pubkey,
+        "limit": limit,
+        "lease_seconds": seconds,
+    }
+    records = [rows.record(row) for row in run.fetch(using, statements.CLAIM_BATCH, params)]
     # UPDATE … RETURNING has no order of its own; hand the rows out as picked.
     records.sort(key=lambda record: (record.created_at, record.id))
     counters.CLAIMS.inc(len(records))
@@ -172,12 +193,12 @@ def renew_delivery(
     """Extend a live lease to now() + lease_seconds; an expired, reaped or superseded
     lease is lost and cannot revive itself."""
     params = _lease_params(lease)
-    seconds = _lease_seconds(lease_seconds)
-    rows = db.fetch(using, sql.RENEW, [seconds, *params])
-    if not rows:
+    params["lease_seconds"] = _lease_seconds(lease_seconds)
+    renewed = run.fetch(using, statements.RENEW, params)
+    if not renewed:
         counters.LEASES_LOST.inc()
         return LeaseLost()
-    return Renewed(lease_until=rows[0][0])
+    return Renewed(lease_until=renewed[0][0])
 
 
 def finish_delivery(
@@ -198,19 +219,19 @@ def finish_delivery(
     if error is not None:
         if outcome is not Outcome.FAILED:
             raise ProtocolError("error", "only a failed outcome records an error")
-        report = error_report(error)
-        statement = sql.FAIL_WITH_ERROR
-        values = [report.traceback or "", report.type, report.message, *params]
+        statement = statements.FAIL_WITH_ERROR
+        params.update(_error_params(error_report(error)))
     else:
-        statement, values = sql.FINISH, [outcome.value, *params]
-    if db.fetch(using, statement, values):
+        statement = statements.FINISH
+        params["outcome"] = outcome.value
+    if run.fetch(using, statement, params):
         counters.SETTLED[outcome.value].inc()
         return Settled(outcome=outcome)
     # Nothing settled: look at the row by the caller's full capability (same
     # generation), in a fresh statement so a concurrent settle is visible.
-    rows = db.fetch(using, sql.STATUS_BY_CAPABILITY, params)
-    if rows and DeliveryStatus(rows[0][0]).is_terminal:
-        return AlreadyTerminal(status=DeliveryStatus(rows[0][0]))
+    seen = run.fetch(using, statements.STATUS_BY_CAPABILITY, params)
+    if seen and DeliveryStatus(seen[0][0]).is_terminal:
+        return AlreadyTerminal(status=DeliveryStatus(seen[0][0]))
     counters.LEASES_LOST.inc()
     return LeaseLost()
 
@@ -231,6 +252,7 @@ def finish_deliveries(
             "settlements", f"at most {MAX_BATCH_SIZE} leases per call, not {len(pairs)}"
         )
     first_of: dict[tuple, int] = {}
+    names = ["community_ids", "delivery_ids", "target_pubkeys", "generations", "outcomes"]
     slots: list[int] = []
     columns: list[list[object]] = [[], [], [], [], []]
     for pair in pairs:
@@ -238,17 +260,17 @@ def finish_deliveries(
             raise ProtocolError("settlements", "each item must be a (lease, outcome) pair")
         params = _lease_params(pair[0])
         outcome = _outcome(pair[1])
-        key = tuple(params)
+        key = tuple(params.values())
         if key not in first_of:
             first_of[key] = len(columns[0])
-            for column, value in zip(columns, [*params, outcome.value], strict=True):
+            for column, value in zip(columns, [*key, outcome.value], strict=True):
                 column.append(value)
         slots.append(first_of[key])
     if not pairs:
         return []
-    rows = db.fetch(using, sql.FINISH_BATCH, columns)
+    answers = run.fetch(using, statements.FINISH_BATCH, dict(zip(names, columns, strict=True)))
     distinct: list[Settled | AlreadyTerminal | LeaseLost] = [LeaseLost()] * len(columns[0])
-    for n, settled, status in rows:
+    for n, settled, status in answers:
         if settled:
             distinct[n - 1] = Settled(outcome=Outcome(columns[4][n - 1]))
             counters.SETTLED[columns[4][n - 1]].inc()
@@ -309,14 +331,18 @@ def retry_delivery(
         )
     base = _backoff_setting("RETRY_BACKOFF_SECONDS")
     most = _backoff_setting("RETRY_BACKOFF_MAX_SECONDS")
-    delay = None if delay_seconds is None else float(delay_seconds)
-    values = [report.traceback or "", report.type, report.message]
-    values += [_max_attempts(), delay, base, most, *params]
-    rows = db.fetch(using, sql.RETRY, values)
-    if not rows:
+    params.update(_error_params(report))
+    params.update(
+        cap=_max_attempts(),
+        delay=None if delay_seconds is None else float(delay_seconds),
+        base=base,
+        most=most,
+    )
+    retried = run.fetch(using, statements.RETRY, params)
+    if not retried:
         counters.LEASES_LOST.inc()
         return LeaseLost()
-    status, available_at, attempts = rows[0]
+    status, available_at, attempts = retried[0]
     if status == DeliveryStatus.FAILED:
         counters.SETTLED[Outcome.FAILED.value].inc()
         return Exhausted(attempts=attempts)
@@ -326,7 +352,7 @@ def retry_delivery(
 def release_lease(lease: Lease, *, using: str = DEFAULT_DB_ALIAS) -> bool:
     """The holder gives its live lease back: the delivery returns to pending with the
     fence bumped. False (nothing changed) when the lease was no longer live."""
-    return bool(db.fetch(using, sql.RELEASE_LEASE, _lease_params(lease)))
+    return bool(run.fetch(using, statements.RELEASE_LEASE, _lease_params(lease)))
 
 
 class Held:
@@ -348,8 +374,9 @@ class Held:
         outcome = _outcome(outcome)
         if self.settled is not None:
             raise ProtocolError("outcome", "this block has already settled its delivery")
-        with db.cursor(self._using, savepoint=False) as cursor:
-            cursor.execute(sql.HELD_FINISH, [outcome.value, *_lease_params(self.lease)])
+        params = {**_lease_params(self.lease), "outcome": outcome.value}
+        with run.cursor(self._using, savepoint=False) as cursor:
+            run.execute(cursor, statements.HELD_FINISH, params)
             settled = cursor.fetchone() is not None
         if not settled:
             self.refused = True
@@ -391,11 +418,11 @@ def holding(lease: Lease, *, using: str = DEFAULT_DB_ALIAS) -> Iterator[Held]:
         # Lock, then re-check: the locking statement's WHERE is re-read after a wait
         # but against the clock of its start, so expiry during the wait shows only
         # to a second statement. Both run in this block's transaction.
-        with db.cursor(using, savepoint=False) as cursor:
-            cursor.execute(sql.HOLD_LOCK, params)
+        with run.cursor(using, savepoint=False) as cursor:
+            run.execute(cursor, statements.HOLD_LOCK, params)
             locked = cursor.fetchone() is not None
             if locked:
-                cursor.execute(sql.HELD_LIVE, params)
+                run.execute(cursor, statements.HELD_LIVE, params)
                 locked = cursor.fetchone() is not None
         if not locked:
             counters.LEASES_LOST.inc()
@@ -406,8 +433,8 @@ def holding(lease: Lease, *, using: str = DEFAULT_DB_ALIAS) -> Iterator[Held]:
             raise LeaseNotLive(lease, "the lease ran out inside the holding() block")
         if held.settled is None:
             # The row is still ours, so this answer holds until the commit.
-            with db.cursor(using, savepoint=False) as cursor:
-                cursor.execute(sql.HELD_LIVE, params)
+            with run.cursor(using, savepoint=False) as cursor:
+                run.execute(cursor, statements.HELD_LIVE, params)
                 live = cursor.fetchone() is not None
             if not live:
                 counters.LEASES_LOST.inc()
@@ -429,8 +456,10 @@ def register_idle(
     keys = sorted({as_bytes32("targets", target) for target in targets})
     if not keys:
         return
-    with db.cursor(using) as cursor:
-        cursor.execute(sql.REGISTER_IDLE, [community_id, keys])
+    with run.cursor(using) as cursor:
+        run.execute(
+            cursor, statements.REGISTER_IDLE, {"community_id": community_id, "target_pubkeys": keys}
+        )
 
 
 def get_delivery(
@@ -442,10 +471,10 @@ def get_delivery(
     row = (
         WorkflowAgentDelivery.objects.using(using)
         .filter(community_id=community_id, id=delivery_id)
-        .values_list(*sql.RECORD_COLUMNS)
+        .values_list(*rows.RECORD_COLUMNS)
         .first()
     )
-    return db.record(row) if row is not None else None
+    return rows.record(row) if row is not None else None
 
 
 def message_events(
@@ -461,9 +490,9 @@ def message_events(
         return {}
     ids = [event_id for _, event_id in wanted]
     # A read: in the API's request transaction it needs no savepoint of its own.
-    rows = db.fetch(using, sql.MESSAGE_EVENTS, [community_id, ids], savepoint=False)
+    params = {"community_id": community_id, "event_ids": ids}
     found: dict[UUID, MessageEvent] = {}
-    for columns in rows:
+    for columns in run.fetch(using, statements.MESSAGE_EVENTS, params, savepoint=False):
         event_id, created_at = columns[0], columns[1]
         delivery_id = wanted.get((created_at, bytes(event_id)))
         if delivery_id is not None:

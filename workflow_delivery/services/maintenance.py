@@ -11,10 +11,11 @@ from uuid import UUID
 
 from django.db import DEFAULT_DB_ALIAS
 
-from .. import counters, db, sql
+from .. import counters
 from ..conf import app_settings
 from ..exceptions import ProtocolError
 from ..protocol import Reaped
+from ..store import run, statements
 from ..validation import is_whole_number, is_yield_ratio, parse_duration
 from ._common import _max_attempts
 
@@ -86,7 +87,7 @@ def reap_deliveries(
         # Each batch is its own short transaction (unless the caller holds one), so a
         # sweep never holds more than ``size`` row locks at once. The statement writes
         # its own timeline entries and leaves no setting behind.
-        ((count, failed, locked),) = db.fetch(using, sql.reap_batch(size, cap), [])
+        ((count, failed, locked),) = run.fetch(using, statements.reap_batch(size, cap))
         if locked and on_locked is not None:
             on_locked(list(locked))
         reclaimed += count - failed
@@ -145,7 +146,7 @@ def prune_deliveries(
         nonlocal total
         # One short transaction per batch: the try-locks on the communities and the
         # row locks end with it.
-        count = len(db.fetch(using, sql.PRUNE_BATCH, [cutoff, size]))
+        count = len(run.fetch(using, statements.PRUNE_BATCH, {"cutoff": cutoff, "limit": size}))
         total += count
         return count
 
@@ -161,8 +162,8 @@ def prune_cutoff(older_than: timedelta | str | None = None, *, using: str = DEFA
         age = parse_duration(retention)
     except ValueError as exc:
         raise ProtocolError("older_than", str(exc)) from None
-    with db.cursor(using) as cursor:
-        cursor.execute(sql.PRUNE_CUTOFF, [age])
+    with run.cursor(using) as cursor:
+        run.execute(cursor, statements.PRUNE_CUTOFF, {"age": age})
         return cursor.fetchone()[0]
 
 
@@ -171,6 +172,6 @@ def count_prunable(
 ) -> dict[str, int]:
     """What ``prune_deliveries`` would delete now, by community host (active ones)."""
     cutoff = prune_cutoff(older_than, using=using)
-    with db.cursor(using) as cursor:
-        cursor.execute(sql.PRUNE_COUNT, [cutoff])
+    with run.cursor(using) as cursor:
+        run.execute(cursor, statements.PRUNE_COUNT, {"cutoff": cutoff})
         return {host: count for _, host, count in cursor.fetchall()}

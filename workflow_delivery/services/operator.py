@@ -8,13 +8,14 @@ from uuid import UUID
 
 from django.db import DEFAULT_DB_ALIAS
 
-from .. import db, sql
 from ..protocol import as_uuid
+from ..store import run, statements
+from ..store.statement import Statement
 from ._common import _operator
 
 
 def _operator_update(
-    statement: str,
+    statement: Statement,
     community_id: UUID | str,
     delivery_ids: Iterable[UUID | str],
     operator: str | None,
@@ -26,8 +27,8 @@ def _operator_update(
     if not ids:
         return []
     # The statement writes its timeline entries itself, by ``actor``.
-    params = [community_id, community_id, community_id, ids, community_id, actor]
-    return [row[0] for row in db.fetch(using, statement, params)]
+    params = {"community_id": community_id, "delivery_ids": ids, "actor": actor}
+    return [row[0] for row in run.fetch(using, statement, params)]
 
 
 def release_deliveries(
@@ -40,7 +41,7 @@ def release_deliveries(
     """Operator release: claimed rows of an active community go back to pending with
     the fence bumped, so their live holders are fenced out. Returns the ids released.
     The timeline records the actor as ``operator:<operator>``."""
-    return _operator_update(sql.RELEASE, community_id, delivery_ids, operator, using)
+    return _operator_update(statements.RELEASE, community_id, delivery_ids, operator, using)
 
 
 def fail_deliveries(
@@ -52,4 +53,4 @@ def fail_deliveries(
 ) -> list[UUID]:
     """Operator terminal: pending or claimed rows of an active community become
     ``failed``. Returns the ids marked. The timeline records ``operator:<operator>``."""
-    return _operator_update(sql.MARK_FAILED, community_id, delivery_ids, operator, using)
+    return _operator_update(statements.MARK_FAILED, community_id, delivery_ids, operator, using)

@@ -15,10 +15,11 @@ from uuid import UUID
 
 from django.db import DEFAULT_DB_ALIAS, DatabaseError, transaction
 
-from .. import db, sql
 from ..conf import app_settings
 from ..exceptions import BindingScopeError, ProtocolError, StepIdentityClosed
 from ..protocol import NewDelivery, as_datetime, as_step_id, as_uuid
+from ..store import rows, run, statements
+from ..store.statement import Statement
 
 logger = logging.getLogger(__name__)
 
@@ -36,7 +37,7 @@ def _new_deliveries(deliveries: object) -> list[NewDelivery]:
 
 
 def _insert_deliveries(
-    insert: str, params: list[object], using: str, *, savepoint: bool = True
+    insert: Statement, params: dict[str, object], using: str, *, savepoint: bool = True
 ) -> list[UUID]:
     """Run a delivery insert (rows: id, community_id, target_pubkey) and return the
     created ids. With ``WORKFLOW_DELIVERY_NOTIFY`` on (the default) it wakes the
@@ -45,33 +46,35 @@ def _insert_deliveries(
     on cost one probe of the small idle registry and send nothing.
 
     By default (``WORKFLOW_DELIVERY_NOTIFY_IN_TRANSACTION``) the insert itself does it
-    (``sql.notifying``), so the wake-ups are part of the commit. Turned off, they go
+    (``statements.notifying``), so the wake-ups are part of the commit. Turned off, they go
     out right after the transaction commits, in a statement of their own
     (``on_commit``; a rollback drops them), and a producer that dies in between sends
     none."""
     in_statement = app_settings.NOTIFY and app_settings.NOTIFY_IN_TRANSACTION
-    statement = sql.notifying(insert) if in_statement else insert
-    rows = db.fetch(using, statement, params, savepoint=savepoint)
-    if rows and app_settings.NOTIFY and not in_statement:
-        created = [
-            [row[0] for row in rows],
-            [row[1] for row in rows],
-            [bytes(row[2]) for row in rows],
-        ]
-        transaction.on_commit(partial(_wake_idle, created, using), using=using)
-    return [row[0] for row in rows]
+    statement = statements.notifying(insert) if in_statement else insert
+    created = run.fetch(using, statement, params, savepoint=savepoint)
+    if created and app_settings.NOTIFY and not in_statement:
+        wake = {
+            "ids": [row[0] for row in created],
+            "community_ids": [row[1] for row in created],
+            "target_pubkeys": [bytes(row[2]) for row in created],
+        }
+        transaction.on_commit(partial(_wake_idle, wake, using), using=using)
+    return [row[0] for row in created]
 
 
-def _wake_idle(created: list[list[object]], using: str) -> None:
+def _wake_idle(created: dict[str, list[object]], using: str) -> None:
     # After the commit, in a transaction of its own that does not wait for its WAL
-    # flush (see sql.WAKE_IDLE_AFTER_COMMIT). The deliveries are committed whatever
+    # flush (see statements.WAKE_IDLE_AFTER_COMMIT). The deliveries are committed whatever
     # happens here; a wake-up lost to an error is what polling is for, so it is
     # logged, never raised to the producer.
     try:
-        with db.cursor(using) as cursor:
-            cursor.execute(sql.WAKE_IDLE_AFTER_COMMIT, created)
+        with run.cursor(using) as cursor:
+            run.execute(cursor, statements.WAKE_IDLE_AFTER_COMMIT, created)
     except DatabaseError:
-        logger.warning("wake-ups for %s deliveries were not sent", len(created[0]), exc_info=True)
+        logger.warning(
+            "wake-ups for %s deliveries were not sent", len(created["ids"]), exc_info=True
+        )
 
 
 class StepIdentity:
@@ -137,30 +140,18 @@ class StepIdentity:
 
     def _values(
         self, message_event_created_at: datetime, batch: list[NewDelivery]
-    ) -> tuple[bool, list[object]]:
-        """The insert's parameters for a batch checked by ``_new_deliveries``, and
-        whether they are for the shared form (``sql._SHARED_ROWS``: the first binding's
-        shared columns, then the ids and the targets) or one list per column
-        (``sql._INSERT_ROWS``, which unnests them into rows, in order)."""
+    ) -> tuple[bool, dict[str, object]]:
+        """The insert's row parameters (by column) for a batch checked by
+        ``_new_deliveries``, and whether they are for the shared form (the first
+        binding's shared columns as values, the ids and the targets as arrays) or one
+        array per column (``statements.INSERT_TYPES``, unnested into rows, in order)."""
         created_at = as_datetime("message_event_created_at", message_event_created_at)
-        if self._validate(batch):
-            b = batch[0].binding
-            return True, [
-                b.community_id,
-                b.workflow_id,
-                b.run_id,
-                b.step_id,
-                b.definition_event_id,
-                b.message_event_id,
-                created_at,
-                *db.cause_columns(b),
-                [item.id for item in batch],
-                [item.binding.target_pubkey for item in batch],
-            ]
-        rows = []
-        for item in batch:
+        columns = list(statements.INSERT_TYPES)
+        shared = self._validate(batch)
+        values = []
+        for item in batch[:1] if shared else batch:
             b = item.binding
-            rows.append(
+            values.append(
                 [
                     item.id,
                     b.community_id,
@@ -171,10 +162,18 @@ class StepIdentity:
                     b.definition_event_id,
                     b.message_event_id,
                     created_at,
-                    *db.cause_columns(b),
+                    *rows.cause_columns(b),
                 ]
             )
-        return False, [list(column) for column in zip(*rows, strict=True)]
+        if not shared:
+            return False, {
+                name: list(column)
+                for name, column in zip(columns, zip(*values, strict=True), strict=True)
+            }
+        params = dict(zip(columns, values[0], strict=True))
+        params["id"] = [item.id for item in batch]
+        params["target_pubkey"] = [item.binding.target_pubkey for item in batch]
+        return True, params
 
     def commit(
         self, message_event_created_at: datetime, deliveries: Iterable[NewDelivery]
@@ -190,10 +189,9 @@ class StepIdentity:
                 f"{self!r}: its delivery_identity block has closed; commit inside the block"
             )
         shared, params = self._values(message_event_created_at, _new_deliveries(deliveries))
-        insert = sql.INSERT_SHARED_DELIVERIES if shared else sql.INSERT_DELIVERIES
-        created = _insert_deliveries(
-            insert, [self.community_id, *params], self._using, savepoint=False
-        )
+        insert = statements.INSERT_SHARED_DELIVERIES if shared else statements.INSERT_DELIVERIES
+        params["community"] = self.community_id
+        created = _insert_deliveries(insert, params, self._using, savepoint=False)
         if created:
             self.exists = True
         return created
@@ -214,10 +212,11 @@ def delivery_identity(
     community_id = as_uuid("community_id", community_id)
     run_id = as_uuid("run_id", run_id)
     with transaction.atomic(using=using):
-        with db.cursor(using, savepoint=False) as cursor:
+        step = {"community": community_id, "run": run_id, "step": step_id}
+        with run.cursor(using, savepoint=False) as cursor:
             # Transaction-scoped: released by our commit or rollback, never leaked.
-            cursor.execute(sql.LOCK_STEP_IDENTITY, [str(community_id), str(run_id), step_id])
-            cursor.execute(sql.STEP_EXISTS, [community_id, run_id, step_id])
+            run.execute(cursor, statements.LOCK_STEP_IDENTITY, step)
+            run.execute(cursor, statements.STEP_EXISTS, step)
             exists = bool(cursor.fetchone()[0])
         identity = StepIdentity(community_id, run_id, step_id, exists, using)
         try:
@@ -240,8 +239,11 @@ def commit_deliveries(
         as_uuid("community_id", community_id), first.run_id, first.step_id, False, using
     )
     shared, params = identity._values(message_event_created_at, batch)
-    lock = [str(identity.community_id), str(identity.run_id), identity.step_id]
+    params.update(community=identity.community_id, run=identity.run_id, step=identity.step_id)
     # One statement takes the step's identity lock and inserts every row: in
     # autocommit it is its own transaction (all rows or none), else the caller's.
-    insert = sql.LOCK_AND_INSERT_SHARED_DELIVERIES if shared else sql.LOCK_AND_INSERT_DELIVERIES
-    return _insert_deliveries(insert, [*lock, identity.community_id, *params], using)
+    if shared:
+        insert = statements.LOCK_AND_INSERT_SHARED_DELIVERIES
+    else:
+        insert = statements.LOCK_AND_INSERT_DELIVERIES
+    return _insert_deliveries(insert, params, using)

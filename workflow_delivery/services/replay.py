@@ -8,10 +8,10 @@ from uuid import UUID
 
 from django.db import DEFAULT_DB_ALIAS
 
-from .. import db, sql
 from ..conf import app_settings
 from ..exceptions import CommunityWriteFenced, ProtocolError
 from ..protocol import AgentStanding, RequestAdmission, as_bytes32, as_uuid
+from ..store import run, statements
 from ..validation import is_whole_number
 
 
@@ -31,8 +31,13 @@ def record_request_event(
     community_id = as_uuid("community_id", community_id)
     event_id, created_at = _request_event(event_id, created_at)
     skew = app_settings.API_MAX_CLOCK_SKEW_SECONDS
-    params = [created_at, skew, community_id, event_id, created_at]
-    ((fresh, recorded),) = db.fetch(using, sql.ACCEPT_REQUEST_EVENT, params)
+    params = {
+        "created_at": created_at,
+        "skew": skew,
+        "community_id": community_id,
+        "event_id": event_id,
+    }
+    ((fresh, recorded),) = run.fetch(using, statements.ACCEPT_REQUEST_EVENT, params)
     return bool(fresh), bool(recorded)
 
 
@@ -63,9 +68,15 @@ def admit_request_event(
     event_id, created_at = _request_event(event_id, created_at)
     pubkey = as_bytes32("pubkey", pubkey)
     skew = app_settings.API_MAX_CLOCK_SKEW_SECONDS
-    params = [created_at, skew, host, pubkey, event_id, created_at]
-    ((community_id, fresh, recorded, standing),) = db.fetch(
-        using, sql.ADMIT_REQUEST_EVENT, params, savepoint=False
+    params = {
+        "created_at": created_at,
+        "skew": skew,
+        "host": host,
+        "pubkey": pubkey,
+        "event_id": event_id,
+    }
+    ((community_id, fresh, recorded, standing),) = run.fetch(
+        using, statements.ADMIT_REQUEST_EVENT, params, savepoint=False
     )
     return RequestAdmission(
         community_id=community_id,
@@ -89,8 +100,9 @@ def prune_replay_guard(
     while max_batches is None or batches < max_batches:
         # Each batch is its own short transaction (unless the caller holds one).
         try:
-            with db.cursor(using) as cursor:
-                cursor.execute(sql.PRUNE_REPLAYS_BATCH, [horizon, batch_size])
+            with run.cursor(using) as cursor:
+                params = {"horizon": horizon, "limit": batch_size}
+                run.execute(cursor, statements.PRUNE_REPLAYS_BATCH, params)
                 count = cursor.rowcount
         except CommunityWriteFenced:
             # A tenant was fenced between our look at it and the delete; the next

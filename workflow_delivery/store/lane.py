@@ -8,7 +8,7 @@ parameters with psycopg's own dumpers, waits through psycopg's own wait (so Ctrl
 cancels the query as it would in a cursor), and loads the rows with psycopg's loaders.
 
 It sends nothing but the statement: every Django check stays with the caller
-(``db.fetch``), which hands a statement to the lane only when the connection is in
+(``run.fetch``), which hands a statement to the lane only when the connection is in
 autocommit and idle, so each statement is its own transaction. What it
 uses of psycopg beyond the documented ``Connection.pgconn`` is looked up once here;
 without it (or without psycopg 3) ``AVAILABLE`` is false and every statement takes
@@ -17,12 +17,13 @@ the cursor path.
 
 from __future__ import annotations
 
-import re
 import selectors
 import time
 from collections.abc import Callable, Generator, Sequence
 from functools import partial
 from typing import Any
+
+from .statement import Statement
 
 try:
     import psycopg
@@ -51,28 +52,11 @@ _SETTLE_SECONDS = 5.0
 # host may DISCARD ALL.
 _NO_SUCH_STATEMENT = "26000"
 
-_PLACEHOLDER = re.compile(r"%(%|s)")
-
-
-def numbered(statement: str) -> bytes:
-    """``statement`` with psycopg's ``%s`` placeholders numbered for libpq (``$1`` …)
-    and ``%%`` turned back into ``%``."""
-    count = 0
-
-    def replace(match: re.Match[str]) -> str:
-        nonlocal count
-        if match[1] == "%":
-            return "%"
-        count += 1
-        return f"${count}"
-
-    return _PLACEHOLDER.sub(replace, statement).encode()
-
 
 class Lane:
     """One connection's statements, prepared once each (unless ``prepare`` is false)."""
 
-    __slots__ = ("_formats", "_names", "_next", "_pgconn", "_prepare", "_queries", "_tx", "raw")
+    __slots__ = ("_formats", "_names", "_next", "_pgconn", "_prepare", "_tx", "raw")
 
     def __init__(self, raw: Any, *, prepare: bool) -> None:
         self.raw = raw
@@ -80,11 +64,10 @@ class Lane:
         self._prepare = prepare
         # Dumpers and loaders by type, kept across statements as a cursor keeps its own.
         self._tx = Transformer(raw)
-        self._queries: dict[str, bytes] = {}
         # Prepared name by statement and parameter types: psycopg picks a type per
         # value (an int may be int2, int4 or int8), and each set of types is its own
         # statement on the server, as it is for psycopg's own preparation.
-        self._names: dict[tuple[str, tuple[int, ...]], bytes] = {}
+        self._names: dict[tuple[Statement, tuple[int, ...]], bytes] = {}
         # Never reused: after a partial DEALLOCATE a name may still be taken.
         self._next = 0
         self._formats: dict[int, list[PyFormat]] = {}
@@ -93,9 +76,9 @@ class Lane:
     def transaction_status(self) -> Any:
         return self._pgconn.transaction_status
 
-    def run(self, statement: str, params: Sequence[object]) -> list[tuple]:
-        """Every row ``statement`` answers with ``params``; a database error is raised
-        as psycopg raises it."""
+    def run(self, statement: Statement, params: Sequence[object]) -> list[tuple]:
+        """Every row ``statement`` answers with ``params`` (its values in placeholder
+        order, ``Statement.args``); a database error is raised as psycopg raises it."""
         try:
             return self._run(statement, params)
         except psycopg.Error as exc:
@@ -107,7 +90,7 @@ class Lane:
         self._names.clear()
         return self._run(statement, params)
 
-    def _run(self, statement: str, params: Sequence[object]) -> list[tuple]:
+    def _run(self, statement: Statement, params: Sequence[object]) -> list[tuple]:
         tx, pgconn = self._tx, self._pgconn
         count = len(params)
         formats = self._formats.get(count)
@@ -115,9 +98,7 @@ class Lane:
             # AUTO, as a cursor's %s: the same types and formats the cursor path binds.
             formats = self._formats[count] = [PyFormat.AUTO] * count
         values = tx.dump_sequence(params, formats)
-        query = self._queries.get(statement)
-        if query is None:
-            query = self._queries[statement] = numbered(statement)
+        query = statement.numbered
         if self._prepare:
             types = tuple(tx.types)
             name = self._names.get((statement, types))

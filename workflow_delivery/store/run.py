@@ -1,41 +1,26 @@
-"""The machinery under the operations: where the app's statements run (the connection's
-lane in autocommit, else a cursor), the decoding of a delivery row into its record, and
-the compiled claim statement.
+"""Where the app's statements run: the connection's lane in autocommit, else a
+prepared psycopg cursor (or Django's) under a savepoint of its own, with database
+errors made domain errors (``store.errors``).
 
-``services`` says *what* each operation does; this module says how a statement reaches
-PostgreSQL and how its answer comes back.
+``services`` says *what* each operation does; this module says how a statement
+(``store.statements``) reaches PostgreSQL and how its rows come back.
 """
 
 from __future__ import annotations
 
-import _thread
 import logging
 import weakref
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
-from datetime import UTC, datetime, timedelta
 from typing import Any, NoReturn
-from uuid import UUID
 
 from django.db import DatabaseError, connections, transaction
-from django.db.models import BooleanField, Q
-from django.db.models.expressions import RawSQL
 
+from ..conf import app_settings
 from . import lane as _lane
-from . import sql
-from .conf import app_settings
-from .models import StatementTimestamp, WorkflowAgentDelivery
-from .protocol import (
-    DeliveryBinding,
-    DeliveryRecord,
-    EventCause,
-    RecordedError,
-    ScheduleCause,
-    WebhookCause,
-    stored_binding,
-    stored_cause,
-    stored_status,
-)
+from . import statements
+from .errors import raise_domain_error
+from .statement import Statement
 
 try:
     import psycopg
@@ -105,9 +90,11 @@ if psycopg is not None:
             return super().execute(query, params, prepare=False, binary=True)
 
 
-def _sync_timeline(wrapper: Any, raw: Any, send: Callable[[str, list[str]], object]) -> None:
+def _sync_timeline(
+    wrapper: Any, raw: Any, send: Callable[[Statement, list[object]], object]
+) -> None:
     """Tell this session whether the timeline trigger records (``WORKFLOW_DELIVERY_TIMELINE``),
-    by ``send(statement, params)``. A session setting, sent once per connection and again
+    by ``send(statement, args)``. A session setting, sent once per connection and again
     only when the setting changes; a session that never hears it records (the
     database's default)."""
     wanted = bool(app_settings.TIMELINE)
@@ -122,31 +109,26 @@ def _sync_timeline(wrapper: Any, raw: Any, send: Callable[[str, list[str]], obje
         remember = False
     if recording == wanted:
         return
-    send(sql.SET_TIMELINE, ["on" if wanted else "off"])
+    send(
+        statements.SET_TIMELINE,
+        statements.SET_TIMELINE.args({"timeline": "on" if wanted else "off"}),
+    )
     if remember:
         _TIMELINE_TOLD[raw] = wanted
     else:
         wrapper._wd_timeline = (id(raw), wanted)
 
 
-def _send_through_django(wrapper: Any) -> Callable[[str, list[str]], object]:
-    def send(statement: str, params: list[str]) -> None:
+def _send_through_django(wrapper: Any) -> Callable[[Statement, list[object]], object]:
+    def send(statement: Statement, args: list[object]) -> None:
         with wrapper.cursor() as setter:
-            setter.execute(statement, params)
+            setter.execute(statement.sql, args)
 
     return send
 
 
 # Where a connection keeps the prepared cursor its statements reuse.
 _REUSED = "_workflow_delivery_cursor"
-
-
-def _map_error(exc: BaseException) -> None:
-    """Raise the domain error for a Django database error ``exc`` (the rules of
-    ``sql.database_errors``); return if there is none, so the caller re-raises."""
-    mapping = sql.database_errors()
-    mapping.__enter__()
-    mapping.__exit__(type(exc), exc, exc.__traceback__)
 
 
 class _Scope:
@@ -205,7 +187,7 @@ class _Scope:
             try:
                 self._django = wrapper.cursor()
             except Exception as exc:
-                _map_error(exc)
+                raise_domain_error(exc)
                 raise
             return self._django
         if raw.prepare_threshold is None:
@@ -238,11 +220,11 @@ class _Scope:
                 # Django's end-of-request check), as Django's cursor would.
                 self._wrapper.wrap_database_errors.__exit__(exc_type, exc, tb)
             if isinstance(exc, DatabaseError):
-                _map_error(exc)
+                raise_domain_error(exc)
         except DatabaseError as translated:
             final = translated
             try:
-                _map_error(translated)
+                raise_domain_error(translated)
             except BaseException as mapped:  # noqa: BLE001 - re-raised below
                 final = mapped
         except BaseException as other:  # noqa: BLE001 - re-raised below
@@ -351,12 +333,12 @@ def _lane_for(wrapper: Any, using: str) -> _lane.Lane | None:
                 pooled = _behind_pooler(raw, using)
             lane = _LANES[raw] = _lane.Lane(raw, prepare=not pooled)
         wrapper.__dict__[_LANE] = lane
-    # Django's thread check, without its lock: a connection shared between threads
-    # takes the cursor path (one cursor per statement, psycopg's lock around it).
-    if wrapper.__dict__.get("_thread_ident") != _thread.get_ident() or wrapper.__dict__.get(
-        "_thread_sharing_count", 1
-    ):
+    # A connection shared between threads takes the cursor path (one cursor per
+    # statement, psycopg's lock around it); another thread's connection is refused
+    # here, as Django's cursor would refuse it.
+    if wrapper.allow_thread_sharing:
         return None
+    wrapper.validate_thread_sharing()
     if lane.transaction_status != _lane.IDLE or not raw.autocommit:
         return None
     return lane
@@ -369,169 +351,39 @@ def _raise_mapped(wrapper: Any, exc: BaseException) -> NoReturn:
         with wrapper.wrap_database_errors:
             raise exc
     except DatabaseError as translated:
-        _map_error(translated)
+        raise_domain_error(translated)
         raise
 
 
+def execute(cursor: Any, statement: Statement, params: Mapping[str, object] | None = None) -> None:
+    """Send ``statement`` with ``params`` (by name) on a DB-API ``cursor``: one of
+    ``cursor()``'s, or Django's own."""
+    cursor.execute(statement.sql, statement.args(params))
+
+
 def fetch(
-    using: str, statement: str, params: Sequence[object], *, savepoint: bool = True
+    using: str,
+    statement: Statement,
+    params: Mapping[str, object] | None = None,
+    *,
+    savepoint: bool = True,
 ) -> list[tuple]:
-    """Run one of the app's statements and return every row it answers, with database
-    errors made domain errors.
+    """Run one of the app's statements with ``params`` (by name) and return every row
+    it answers, with database errors made domain errors.
 
     In autocommit the statement is its own transaction, sent through the connection's
     lane (``lane.Lane``) when it may take it. Inside the caller's transaction it runs
     on ``cursor()``, under a savepoint of its own unless ``savepoint`` is false, so a
     refused statement leaves the caller's work usable."""
+    args = statement.args(params)
     wrapper = connections[using]
     lane = None if wrapper.in_atomic_block else _lane_for(wrapper, using)
     if lane is None:
         with _Scope(using, savepoint) as cursor:
-            cursor.execute(statement, params)
+            cursor.execute(statement.sql, args)
             return cursor.fetchall()
     try:
         _sync_timeline(wrapper, lane.raw, lane.run)
-        return lane.run(statement, params)
+        return lane.run(statement, args)
     except psycopg.Error as exc:
         _raise_mapped(wrapper, exc)
-
-
-def cause_columns(binding: DeliveryBinding) -> list[object]:
-    cause = binding.cause
-    return [
-        cause.kind.value,
-        cause.event_id if isinstance(cause, EventCause) else None,
-        cause.scheduled_for if isinstance(cause, ScheduleCause) else None,
-        cause.invocation_id if isinstance(cause, WebhookCause) else None,
-    ]
-
-
-def record(row: Sequence) -> DeliveryRecord:
-    """The record of a row read back from the table. Its fields are taken as stored,
-    not re-validated one by one: the table's own rules already hold them."""
-    (
-        id_,
-        community_id,
-        workflow_id,
-        run_id,
-        step_id,
-        target_pubkey,
-        definition_event_id,
-        message_event_id,
-        message_event_created_at,
-        cause_kind,
-        cause_event_id,
-        cause_scheduled_for,
-        cause_webhook_invocation_id,
-        status,
-        lease_generation,
-        lease_until,
-        claimed_at,
-        finished_at,
-        created_at,
-        attempts,
-        available_at,
-        last_error_type,
-        last_error_message,
-        last_error_at,
-    ) = row
-    binding = stored_binding(
-        community_id,
-        workflow_id,
-        run_id,
-        step_id,
-        target_pubkey,
-        definition_event_id,
-        message_event_id,
-        stored_cause(cause_kind, cause_event_id, cause_scheduled_for, cause_webhook_invocation_id),
-    )
-    return DeliveryRecord(
-        id_,
-        binding,
-        stored_status(status),
-        lease_generation,
-        lease_until,
-        claimed_at,
-        finished_at,
-        created_at,
-        message_event_created_at,
-        attempts,
-        available_at,
-        None
-        if last_error_type is None
-        else RecordedError(last_error_type, last_error_message, last_error_at),
-    )
-
-
-# A literal, not a parameter: a prepared (generic) plan can then use the partial
-# claim index, whose predicate is status = 'pending'.
-_PENDING = RawSQL("'pending'", ())
-
-
-# The community's shared deletion lock, taken by the scan's filter before the
-# locking read takes the row (``sql.entering_fence``).
-_ENTERING_FENCE = RawSQL(
-    sql.entering_fence(f"{sql.DELIVERIES}.{sql.quote_name('community_id')}"),
-    (),
-    output_field=BooleanField(),
-)
-
-
-def _claim_queryset(filters: dict[str, object], using: str):
-    # The oldest pending row nobody else holds: a locked row is someone else's
-    # claim in flight, so skip it rather than queue behind it. A retried row still
-    # backing off is passed over by a filter on the claim index's scan.
-    rows = WorkflowAgentDelivery.objects.using(using).filter(
-        Q(available_at__isnull=True) | Q(available_at__lte=StatementTimestamp()),
-        _ENTERING_FENCE,
-        status=_PENDING,
-        **filters,
-    )
-    return rows.order_by("created_at", "id").select_for_update(skip_locked=True).values("id")[:1]
-
-
-def _placeholder(position: int, value: object) -> object:
-    """A value of ``value``'s type that no other filter of the same claim carries."""
-    if isinstance(value, UUID):
-        return UUID(int=position + 1)
-    if isinstance(value, bytes):
-        return position.to_bytes(32, "big")
-    if isinstance(value, datetime):
-        return datetime(2000, 1, 1, tzinfo=UTC) + timedelta(seconds=position)
-    return f"claim-parameter-{position}"
-
-
-def _adapted(param: object) -> object:
-    """The value a driver's wrapper carries: Django hands bytes to psycopg 3 as
-    ``psycopg.Binary`` (``.obj``) and to psycopg2 as ``psycopg2.extensions.Binary``
-    (``.adapted``)."""
-    for attribute in ("obj", "adapted"):
-        if hasattr(param, attribute):
-            return getattr(param, attribute)
-    return param
-
-
-# Claim statements compiled from the queryset, by (alias, filtered fields). Building
-# and compiling the queryset cost more than the claim itself; only its shape decides
-# the SQL, so each shape is compiled once, with placeholders that reveal which
-# filter feeds which parameter.
-_CLAIM_STATEMENTS: dict[tuple[str, tuple[str, ...]], tuple[str, tuple[str, ...]]] = {}
-
-
-def claim_statement(filters: dict[str, object], using: str) -> tuple[str, list[object]]:
-    shape = (using, tuple(filters))
-    compiled = _CLAIM_STATEMENTS.get(shape)
-    if compiled is None:
-        placeholders = {
-            name: _placeholder(position, value)
-            for position, (name, value) in enumerate(filters.items())
-        }
-        queryset = _claim_queryset(placeholders, using)
-        # Django compiles FOR UPDATE only inside a transaction; nothing runs here.
-        with transaction.atomic(using=using):
-            select_sql, params = queryset.query.get_compiler(using=using).as_sql()
-        field_of = {value: name for name, value in placeholders.items()}
-        order = tuple(field_of[_adapted(param)] for param in params)
-        compiled = _CLAIM_STATEMENTS[shape] = (sql.claim_statement(select_sql), order)
-    statement, order = compiled
-    return statement, [filters[name] for name in order]
