@@ -67,6 +67,16 @@ def entering_fence(column: str = "community_id") -> str:
     return f"pg_advisory_xact_lock_shared({DELETION_KEY.format(column=column)}) IS NOT NULL"
 
 
+def entering_fence_once(community: str) -> str:
+    """``entering_fence`` for a scan of one community, named by ``community``, an
+    expression of no column of the scanned rows: a scalar subquery, so PostgreSQL
+    takes the lock once, as a gate before the scan, not in the filter of every row
+    the scan reads (a claim reads every row of the oldest ``created_at`` before it
+    sorts them by id)."""
+    key = DELETION_KEY.format(column=community)
+    return f"(SELECT pg_advisory_xact_lock_shared({key})) IS NOT NULL"
+
+
 # --- The producer --------------------------------------------------------------------
 
 # Identity lock of one (community, run, step): producers of the same step queue
@@ -266,7 +276,7 @@ WITH picked AS (
      WHERE community_id = %(community_id)s AND target_pubkey = %(target_pubkey)s{match}
        AND status = 'pending'
        AND (available_at IS NULL OR available_at <= statement_timestamp())
-       AND {entering_fence()}
+       AND {entering_fence_once("%(community_id)s::uuid")}
      ORDER BY created_at, id
      LIMIT {limit}
      FOR UPDATE SKIP LOCKED
@@ -891,7 +901,7 @@ SERVED_CLAIM = _admitted(
      WHERE community_id = (SELECT community_id FROM recorded) AND target_pubkey = %(pubkey)s
        AND status = 'pending'
        AND (available_at IS NULL OR available_at <= statement_timestamp())
-       AND {entering_fence()}
+       AND {entering_fence_once("(SELECT community_id FROM recorded)")}
      ORDER BY created_at, id
      LIMIT %(limit)s
      FOR UPDATE SKIP LOCKED
