@@ -10,6 +10,7 @@ statement uses it.
 
 from __future__ import annotations
 
+import itertools
 import re
 from collections.abc import Mapping
 
@@ -34,13 +35,11 @@ class Statement:
             names.append(match[1])
             return "%s"
 
-        def numbered(match: re.Match[str]) -> str:
-            if match[2]:
-                return "%"
-            numbered.count += 1  # type: ignore[attr-defined]
-            return f"${numbered.count}"  # type: ignore[attr-defined]
+        numbers = itertools.count(1)
 
-        numbered.count = 0  # type: ignore[attr-defined]
+        def numbered(match: re.Match[str]) -> str:
+            return "%" if match[2] else f"${next(numbers)}"
+
         self.text = text
         self.sql = _PLACEHOLDER.sub(positional, text)
         # One number per placeholder, as the cursor binds them: a value used twice is
