@@ -49,13 +49,15 @@ if str(ROOT) not in sys.path:
 import psycopg  # noqa: E402
 
 from bench.chaos_check import ChaosReport, check  # noqa: E402
-from bench.chaos_journal import Journal, last_holding, read_all  # noqa: E402
+from bench.chaos_journal import Held, Journal, last_holding, read_all  # noqa: E402
 from bench.chaos_server import ChaosServer, connect  # noqa: E402
 from bench.chaos_worker import EFFECTS_TABLE, STUCK_EFFECTS_TABLE  # noqa: E402
 
 WORKER = ROOT / "bench" / "chaos_worker.py"
 REAP_COMMAND = ROOT / "workflow_delivery" / "management" / "commands" / "reap_deliveries.py"
 DROP_ROLES = ["agent", "producer", "reaper"]
+# Seconds of planned work a holder must have left to be chosen for a stall.
+STALL_MARGIN = 0.3
 
 
 @dataclass
@@ -222,7 +224,7 @@ class Harness:
 
     # -- faults ---------------------------------------------------------------------------
 
-    def _holders(self) -> list[tuple[int, subprocess.Popen, tuple[str, int]]]:
+    def _holders(self) -> list[tuple[int, subprocess.Popen, Held]]:
         stalled = {stall.pid for stall in self.stalls} | self.released
         holders = []
         for index, process in self.fleet.of_role("agent"):
@@ -238,7 +240,7 @@ class Harness:
         holders = self._holders()
         if not holders:
             return False
-        index, process, (delivery_id, generation) = self.rng.choice(holders)
+        index, process, (delivery_id, generation, _) = self.rng.choice(holders)
         self.fleet.killed.add(process.pid)
         process.send_signal(signal.SIGKILL)
         self.journal.write("kill", pid=process.pid, id=delivery_id, gen=generation)
@@ -247,10 +249,18 @@ class Harness:
         return True
 
     def stall_holder(self) -> bool:
-        holders = self._holders()
+        # Only a holder with work still ahead of it: one stopped while it reports (its
+        # finish sent before the stop, answered after the resume) is refused with no
+        # attempt that starts after the stall, so the stall would prove nothing.
+        now = time.time()
+        holders = [
+            (index, process, held)
+            for index, process, held in self._holders()
+            if held.busy_until is None or held.busy_until - now > STALL_MARGIN
+        ]
         if not holders:
             return False
-        _, process, (delivery_id, generation) = self.rng.choice(holders)
+        _, process, (delivery_id, generation, _) = self.rng.choice(holders)
         process.send_signal(signal.SIGSTOP)
         now = time.time()
         self.journal.write("stall", pid=process.pid, id=delivery_id, gen=generation)

@@ -12,7 +12,7 @@ import os
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 
 class Journal:
@@ -45,12 +45,24 @@ def read_all(directory: Path) -> list[dict[str, Any]]:
     return records
 
 
-def last_holding(path: Path) -> tuple[str, int] | None:
-    """The (delivery id, generation) an agent's journal says it holds right now, if any."""
+class Held(NamedTuple):
+    """What an agent's journal says it holds: the lease, and when its work should end."""
+
+    delivery_id: str
+    generation: int
+    # Wall-clock time the holder's work is planned to end (its claim line's ``t`` plus
+    # ``work``), None for a journal that does not say.
+    busy_until: float | None
+
+
+def last_holding(path: Path) -> Held | None:
+    """The lease an agent's journal says it holds right now, if any."""
     held = None
     for line in read_lines(path):
         if line["op"] == "claim":
-            held = (line["id"], line["gen"])
+            work = line.get("work")
+            busy_until = None if work is None else line["t"] + work
+            held = Held(line["id"], line["gen"], busy_until)
         elif line["op"] in ("finish", "abandon") or (
             line["op"] == "renew" and line["result"] != "renewed"
         ):

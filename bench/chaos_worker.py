@@ -72,6 +72,14 @@ def setup_django(config: dict[str, Any], role: str, index: int) -> None:
     django.setup()
 
 
+def work_seconds(rng: random.Random, config: dict[str, Any]) -> float:
+    """How long an agent works on the delivery it just claimed: mostly a blink, now and
+    then longer than the lease (a share of ``long_work_share``)."""
+    if rng.random() < config["long_work_share"]:
+        return config["lease"] * rng.uniform(0.5, 1.6)
+    return rng.uniform(0.01, 0.1)
+
+
 def with_reconnect(journal: Journal, during: str, call: Callable[[], T]) -> T | None:
     """Run ``call`` until it gets an answer from the database; None once stopping.
 
@@ -258,10 +266,9 @@ def run_agent(config: dict[str, Any], index: int, journal: Journal) -> None:
         )
         return isinstance(renewed, Renewed)
 
-    def hold(lease: Any) -> None:
-        """Work on a claimed delivery, renewing at a third of the lease, then settle it."""
-        long_job = rng.random() < config["long_work_share"]
-        work = lease_seconds * rng.uniform(0.5, 1.6) if long_job else rng.uniform(0.01, 0.1)
+    def hold(lease: Any, work: float) -> None:
+        """Work on a claimed delivery for ``work`` seconds, renewing at a third of the
+        lease, then settle it."""
         done_at = time.monotonic() + work
         resumes = Resumed.count
         lost = False
@@ -303,6 +310,7 @@ def run_agent(config: dict[str, Any], index: int, journal: Journal) -> None:
             time.sleep(config["idle_poll"])
             continue
         lease, record = claimed
+        work = work_seconds(rng, config)
         journal.write(
             "claim",
             id=str(lease.delivery_id),
@@ -310,8 +318,9 @@ def run_agent(config: dict[str, Any], index: int, journal: Journal) -> None:
             community=str(lease.community_id),
             step=record.binding.step_id,
             lease_until=lease.lease_until.isoformat(),
+            work=work,
         )
-        hold(lease)
+        hold(lease, work)
 
 
 EFFECTS_TABLE = "chaos_effects"
@@ -333,6 +342,7 @@ def run_consumer_agent(config: dict[str, Any], index: int, journal: Journal) -> 
     rng = random.Random()
 
     def handler(record: Any, lease: Any, context: Any) -> None:
+        work = work_seconds(rng, config)
         journal.write(
             "claim",
             id=str(lease.delivery_id),
@@ -340,9 +350,8 @@ def run_consumer_agent(config: dict[str, Any], index: int, journal: Journal) -> 
             community=str(lease.community_id),
             step=record.binding.step_id,
             lease_until=lease.lease_until.isoformat(),
+            work=work,
         )
-        long_job = rng.random() < config["long_work_share"]
-        work = lease_seconds * rng.uniform(0.5, 1.6) if long_job else rng.uniform(0.01, 0.1)
         # Longer than the lease on purpose now and then: the heartbeat must carry it.
         context.lost.wait(work)
         outcome = Outcome.FAILED if rng.random() < 0.1 else Outcome.FINISHED
