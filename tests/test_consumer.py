@@ -7,7 +7,7 @@ import time
 from collections.abc import Iterator
 
 import pytest
-from django.db import connection
+from django.db import connection, transaction
 
 from tests import factories
 from tests.consumer_handlers import CREATE_EFFECTS, EFFECTS, write_effect
@@ -16,7 +16,7 @@ from tests.sessions import listening_sessions
 from workflow_delivery import services
 from workflow_delivery.consumer import Consumer
 from workflow_delivery.exceptions import LeaseNotLive, ProtocolError
-from workflow_delivery.models import IdleWakeTarget
+from workflow_delivery.models import IdleWakeTarget, WorkflowAgentDelivery
 from workflow_delivery.protocol import DeliveryStatus
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -153,6 +153,39 @@ def test_effects_through_holding_settle_and_a_failure_is_retried(db, effects, se
     # The first failure is retried; the second uses the last attempt and fails it.
     assert (stats.claimed, stats.retried, stats.failed) == (2, 1, 1)
     assert status(failing.id) == DeliveryStatus.FAILED
+
+
+def test_a_handlers_statement_timeout_is_a_failed_attempt_not_a_lost_connection(db):
+    step = factories.Step(targets=1)
+    (delivery,) = factories.committed(step)
+
+    def slow_statement(record, lease, context) -> None:
+        with transaction.atomic(), connection.cursor() as cursor:
+            cursor.execute("SET LOCAL statement_timeout = '20ms'")
+            cursor.execute("SELECT pg_sleep(2)")
+
+    with Running(consumer_for(step, slow_statement, max_deliveries=1, poll_interval=0.05)) as run:
+        stats = run.join(20)
+    assert (stats.retried, stats.released, stats.connection_errors) == (1, 0, 0)
+    row = WorkflowAgentDelivery.objects.get(id=delivery.id)
+    assert row.status == DeliveryStatus.PENDING and row.attempts == 1
+    assert row.last_error_type == "django.db.utils.OperationalError"
+    assert "statement timeout" in row.last_error_message
+
+
+def test_a_handler_whose_session_is_killed_gives_its_lease_back_with_no_error(db):
+    step = factories.Step(targets=1)
+    (delivery,) = factories.committed(step)
+
+    def lose_session(record, lease, context) -> None:
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT pg_terminate_backend(pg_backend_pid())")
+
+    with Running(consumer_for(step, lose_session, max_deliveries=1, poll_interval=0.05)) as run:
+        stats = run.join(20)
+    assert (stats.retried, stats.released) == (0, 1)
+    row = WorkflowAgentDelivery.objects.get(id=delivery.id)
+    assert row.status == DeliveryStatus.PENDING and row.last_error_type is None
 
 
 def test_a_stop_lets_a_short_handler_finish_and_releases_a_long_one(db):

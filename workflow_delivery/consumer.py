@@ -39,7 +39,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 from uuid import UUID
 
-from django.db import DEFAULT_DB_ALIAS, InterfaceError, OperationalError, connections, transaction
+from django.db import DEFAULT_DB_ALIAS, connections, transaction
 
 from . import services
 from .conf import app_settings
@@ -58,6 +58,7 @@ from .protocol import (
     as_uuid,
 )
 from .services.holder import _lease_seconds
+from .store.errors import CONNECTION_ERRORS, is_connection_lost
 from .validation import is_number, is_whole_number
 from .wakeups import WakeListener
 from .wakeups import available as wakeups_available
@@ -65,10 +66,6 @@ from .wakeups import available as wakeups_available
 __all__ = ["Consumer", "ConsumerStats", "DeliveryContext", "Handler", "PermanentFailure"]
 
 logger = logging.getLogger(__name__)
-
-# Errors of a connection that went away (or was never there); anything else is not
-# retried by reconnecting.
-CONNECTION_ERRORS = (OperationalError, InterfaceError)
 
 DEFAULT_LEASE_SECONDS = 8
 DEFAULT_POLL_INTERVAL = 2.0
@@ -151,6 +148,15 @@ def _discard_connection(using: str) -> None:
         connections[using].close()
     except CONNECTION_ERRORS:
         logger.debug("closing a broken connection failed", exc_info=True)
+
+
+def _recover(consumer: Consumer, exc: BaseException) -> None:
+    """After a statement of the consumer's own failed with one of ``CONNECTION_ERRORS``,
+    which it retries: a lost session (``is_connection_lost``) is counted and dropped so
+    the next statement reconnects; any other (a deadlock, say) leaves the session be."""
+    if is_connection_lost(exc):
+        consumer._count("connection_errors")
+        _discard_connection(consumer.using)
 
 
 class _Heartbeat(threading.Thread):
@@ -238,9 +244,8 @@ class _Heartbeat(threading.Thread):
             self._reschedule(context, min(self.interval / 2, 1.0))
             return
         except CONNECTION_ERRORS as exc:
-            consumer._count("connection_errors")
-            logger.warning("heartbeat lost its connection (%s); retrying", exc)
-            _discard_connection(using)
+            logger.warning("heartbeat's renew failed (%s); retrying", exc)
+            _recover(consumer, exc)
             self._reschedule(context, min(self.interval / 2, 1.0))
             return
         if isinstance(result, Renewed):
@@ -457,7 +462,7 @@ class Consumer:
                 released = services.release_lease(context.lease, using=self.using)
             except CONNECTION_ERRORS as exc:
                 logger.warning("could not release %s (%s)", context.lease.delivery_id, exc)
-                _discard_connection(self.using)
+                _recover(self, exc)
                 continue
             if released:
                 self._count("released")
@@ -501,10 +506,9 @@ class Consumer:
                         claimed = self._claim(turn)
                 except CONNECTION_ERRORS as exc:
                     self._unreserve()
-                    self._count("connection_errors")
                     backoff = min(_MAX_BACKOFF, backoff * 2 or 0.1)
-                    logger.warning("claim failed (%s); reconnecting in %.1f s", exc, backoff)
-                    _discard_connection(self.using)
+                    logger.warning("claim failed (%s); trying again in %.1f s", exc, backoff)
+                    _recover(self, exc)
                     self._stopping.wait(backoff)
                     continue
                 except WorkflowDeliveryError as exc:
@@ -556,18 +560,20 @@ class Consumer:
             outcome = Outcome.FINISHED
         except LeaseNotLive:
             context.lost.set()
-        except CONNECTION_ERRORS as exc:
-            # Not the handler's verdict on the delivery: give it back to be retried.
-            logger.warning("handler lost its connection on %s (%s)", lease.delivery_id, exc)
-            _discard_connection(self.using)
         except PermanentFailure as exc:
             logger.warning(
                 "handler failed delivery %s for good: %s", lease.delivery_id, exc, exc_info=True
             )
             outcome, error = Outcome.FAILED, exc
         except Exception as exc:
-            logger.exception("handler raised on delivery %s", lease.delivery_id)
-            error = exc
+            if is_connection_lost(exc):
+                # Not the handler's verdict on the delivery: give it back to be retried.
+                logger.warning("handler lost its connection on %s (%s)", lease.delivery_id, exc)
+                _discard_connection(self.using)
+            else:
+                # A timeout, a deadlock or any other error is the handler failing.
+                logger.exception("handler raised on delivery %s", lease.delivery_id)
+                error = exc
         finally:
             self._heartbeat.untrack(context)
         if context.settled is not None:
@@ -590,8 +596,7 @@ class Consumer:
             try:
                 return action()
             except CONNECTION_ERRORS as exc:
-                self._count("connection_errors")
-                _discard_connection(self.using)
+                _recover(self, exc)
                 backoff = min(_MAX_BACKOFF, backoff * 2 or 0.1)
                 if time.monotonic() + backoff > deadline:
                     logger.warning("gave up on %s (%s)", context.lease.delivery_id, exc)
