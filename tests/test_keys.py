@@ -169,4 +169,4 @@ def test_without_coincurve_the_module_imports_and_names_the_extra():
         timeout=60,
         check=True,
     )
-    assert "[api]" in result.stdout and "coincurve" in result.stdout
+    assert "buzz-workflow-delivery[client]" in result.stdout and "coincurve" in result.stdout

@@ -13,7 +13,8 @@
 
 Imports no Django and no server module: the standard library, the protocol's values
 and their wire form (``protocol``, ``wire``, ``exceptions``) and the agent's keys
-(``keys``, which needs coincurve: the ``[api]`` extra).
+(``keys``, which needs coincurve). ``pip install 'buzz-workflow-delivery[client]'``
+installs exactly that: coincurve, and no Django.
 """
 
 from __future__ import annotations

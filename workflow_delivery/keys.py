@@ -3,8 +3,8 @@
 value of one HTTP request.
 
 Standard library only at import; the curve arithmetic is coincurve's, imported on
-first use, so this module (and the agent's client built on it) imports without the
-``[api]`` extra and says which extra to install when a key is first needed.
+first use, so this module (and the agent's client built on it) imports without
+coincurve and says which extra to install when a key is first needed.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ HTTP_AUTH_KIND = 27235
 SCHEME = "Nostr"
 
 _HEX64 = re.compile(r"[0-9a-f]{64}")
-_INSTALL = "pip install 'buzz-workflow-delivery[api]'"
+_INSTALL = "pip install 'buzz-workflow-delivery[client]'"
 
 
 class KeysUnavailable(ImportError):
@@ -50,7 +50,8 @@ def _coincurve() -> ModuleType:
         import coincurve
     except ImportError as exc:
         raise KeysUnavailable(
-            f"workflow_delivery.keys needs coincurve, which the [api] extra installs: {_INSTALL}"
+            f"workflow_delivery.keys needs coincurve, which the [client] and [api] extras "
+            f"install: {_INSTALL}"
         ) from exc
     return coincurve
 
