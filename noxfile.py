@@ -174,8 +174,8 @@ def psycopg2(session: nox.Session) -> None:
     )
     # Modules that open psycopg 3 connections of their own at import (second sessions,
     # the API's live-server helpers) cannot even be collected here.
-    ignored = ["test_api.py", "test_api_fuzz.py", "test_api_live.py", "test_api_client.py"]
-    ignored += ["test_api_asgi.py", "test_claim.py", "test_database_errors.py"]
+    ignored = ["test_api.py", "api/test_fuzz.py", "api/test_live.py", "api/test_client.py"]
+    ignored += ["api/test_asgi.py", "test_claim.py", "test_database_errors.py"]
     ignored += ["test_fence_locks.py", "test_operator.py", "test_reaper.py"]
     _loudly(session, f"psycopg2 cell: also leaves out the modules {', '.join(ignored)}.")
     ignore = [f"--ignore=tests/{name}" for name in ignored]

@@ -1,6 +1,6 @@
 """The agent HTTP API in-process (Django's test client): NIP-98 refusals, scoping to
 the signing key and to the Host's community, hostile input, the fence, and the replay
-guard's table. The whole lifecycle against a real server is in test_api_live.py."""
+guard's table. The whole lifecycle against a real server is in api/test_live.py."""
 
 from __future__ import annotations
 
