@@ -1,6 +1,6 @@
-"""Helpers of the in-process agent API tests: an agent key with a pending delivery,
-a key enrolled with none, the delivery rows as they are stored, and the check of an
-answer's status and error code. They sign through ``tests.agent_http``, which imports
+"""Helpers of the agent API tests: an agent key with a pending delivery, a key enrolled
+with none, the delivery rows as they are stored, and the check of an answer's status
+and error code. They sign through ``tests.agent_http``, which imports
 psycopg 3 (the modules that import this one are left out of the psycopg2 cell)."""
 
 from __future__ import annotations
