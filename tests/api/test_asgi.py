@@ -22,6 +22,7 @@ from django.db import connection
 
 from tests import factories
 from tests.agent_http import pubkey, secret, uvicorn_server
+from tests.api.helpers import enrolled_secret
 from workflow_delivery.api import nip98
 from workflow_delivery.api.asgi import POOLED_THREADS, PooledThreadsHandler
 from workflow_delivery.client import AgentClient
@@ -50,13 +51,6 @@ def base_url(server: str) -> str:
     return f"http://localhost:{server.rsplit(':', 1)[1]}/agents/"
 
 
-def enrolled(owner) -> bytes:
-    """A new agent key in ``owner``'s roster (the API serves enrolled agents only)."""
-    key = secret()
-    factories.enroll(owner, [pubkey(key)])
-    return key
-
-
 def server_sessions() -> list[tuple[int, str]]:
     """(pid, state) of the server's own database sessions, by pid."""
     with connection.cursor() as cursor:
@@ -69,7 +63,7 @@ def server_sessions() -> list[tuple[int, str]]:
 
 
 def test_sequential_requests_are_served_on_one_session(server):
-    key = enrolled(factories.community("localhost"))
+    key = enrolled_secret(factories.community("localhost"))
     seen = []
     with AgentClient(base_url(server), key) as agent:
         for _ in range(5):
@@ -101,7 +95,7 @@ def test_a_refused_request_rolls_back_and_leaves_its_session_idle(server):
 
 
 def test_a_session_ended_under_the_server_is_replaced_before_a_request_uses_it(server):
-    key = enrolled(factories.community("localhost"))
+    key = enrolled_secret(factories.community("localhost"))
     with AgentClient(base_url(server), key) as agent:
         assert agent.claim() is None
         ((pid, _state),) = server_sessions()
@@ -126,7 +120,7 @@ def test_a_session_ended_under_the_server_is_replaced_before_a_request_uses_it(s
 
 
 def test_a_wait_keeps_the_thread_s_session_for_the_requests_after_it(server):
-    key = enrolled(factories.community("localhost"))
+    key = enrolled_secret(factories.community("localhost"))
     with AgentClient(base_url(server), key) as agent:
         assert agent.claim() is None
         sessions = server_sessions()
@@ -136,7 +130,7 @@ def test_a_wait_keeps_the_thread_s_session_for_the_requests_after_it(server):
 
 
 def test_a_body_refused_after_authentication_leaves_the_session_idle(server):
-    key = enrolled(factories.community("localhost"))
+    key = enrolled_secret(factories.community("localhost"))
     with AgentClient(base_url(server), key) as agent:
         assert agent.claim() is None
         sessions = server_sessions()

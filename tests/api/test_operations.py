@@ -1,0 +1,186 @@
+"""What each operation of the agent API answers an honest agent, in-process
+(Django's test client): the claim, renewal, read and finish of one delivery, the claim
+and finish batches, the message a delivery carries to its target and to no other agent,
+and the OpenAPI document that names every endpoint. The whole lifecycle against a real
+server is in test_live.py."""
+
+from __future__ import annotations
+
+import json
+from datetime import UTC
+
+import pytest
+
+from tests import factories
+from tests.api.helpers import Agent, answer, enrolled_secret, rows
+from workflow_delivery.models import WorkflowAgentDelivery
+
+pytestmark = [pytest.mark.django_db, pytest.mark.usefixtures("any_host")]
+
+
+# -- the happy path, in-process ------------------------------------------------------
+
+
+def test_claim_renew_get_finish(client, agent):
+    claimed = answer(agent.call(client, "POST", "v1/claim", {"lease_seconds": 30}), 200)
+    lease, delivery = claimed["lease"], claimed["delivery"]
+    assert lease["delivery_id"] == delivery["id"] == str(agent.delivery.id)
+    assert lease["target_pubkey"] == delivery["target_pubkey"] == agent.pubkey.hex()
+    assert delivery["status"] == "claimed" and lease["generation"] == 1
+    assert delivery["cause"] == {"kind": "event", "event_id": agent.step.cause.event_id.hex()}
+    assert lease["lease_until"].endswith("Z")
+
+    path = f"v1/deliveries/{lease['delivery_id']}"
+    renewed = answer(agent.call(client, "POST", f"{path}/renew", {"generation": 1}), 200)
+    assert renewed["lease_until"].endswith("Z")
+    assert answer(agent.call(client, "GET", path), 200)["status"] == "claimed"
+    finish = {"generation": 1, "outcome": "failed"}
+    settled = answer(agent.call(client, "POST", f"{path}/finish", finish), 200)
+    assert settled == {"result": "settled", "outcome": "failed"}
+    again = answer(
+        agent.call(client, "POST", f"{path}/finish", finish | {"outcome": "finished"}), 200
+    )
+    assert again == {"result": "already_terminal", "status": "failed"}
+    assert answer(agent.call(client, "POST", "v1/claim"), 204) is None
+
+
+def test_claim_with_the_expected_binding_and_with_one_field_off(client, agent):
+    from workflow_delivery.wire import binding_document
+
+    expected = binding_document(agent.step.binding(agent.pubkey))
+    off = json.loads(json.dumps(expected))
+    off["step_id"] = "another-step"
+    assert answer(agent.call(client, "POST", "v1/claim", {"expected": off}), 204) is None
+    claimed = answer(agent.call(client, "POST", "v1/claim", {"expected": expected}), 200)
+    assert claimed["delivery"]["id"] == str(agent.delivery.id)
+
+
+def test_host_is_matched_without_case_or_port(client, agent):
+    response = agent.call(
+        client, "GET", f"v1/deliveries/{agent.delivery.id}", host=agent.host.upper() + ":8443"
+    )
+    assert answer(response, 200)["id"] == str(agent.delivery.id)
+
+
+def test_openapi_document_is_served_and_names_every_endpoint(client):
+    document = answer(client.get("/agents/v1/openapi.json"), 200)
+    assert document["openapi"].startswith("3.")
+    assert set(document["paths"]) == {
+        "/agents/v1/claim",
+        "/agents/v1/claim/batch",
+        "/agents/v1/finish/batch",
+        "/agents/v1/deliveries/{delivery_id}/renew",
+        "/agents/v1/deliveries/{delivery_id}/finish",
+        "/agents/v1/deliveries/{delivery_id}",
+        "/agents/v1/wait",
+    }
+    assert "NostrAuth" in document["components"]["securitySchemes"]
+
+
+# -- the message, to its target only ---------------------------------------------------
+
+
+def _message(step: factories.Step) -> dict:
+    event = step.message
+    return {
+        "id": bytes(event.id).hex(),
+        "pubkey": bytes(event.pubkey).hex(),
+        "created_at": event.created_at.astimezone(UTC).isoformat().replace("+00:00", "Z"),
+        "kind": 9,
+        "tags": event.tags,
+        "content": event.content,
+    }
+
+
+def test_the_claim_and_the_read_carry_the_message_to_its_target(client, agent):
+    claimed = answer(agent.call(client, "POST", "v1/claim"), 200)
+    assert claimed["delivery"]["message"] == _message(agent.step)
+    path = f"v1/deliveries/{agent.delivery.id}"
+    assert answer(agent.call(client, "GET", path), 200)["message"] == _message(agent.step)
+
+
+def test_another_agent_cannot_read_the_message(client, agent):
+    other = Agent(owner=agent.step.community)
+    path = f"v1/deliveries/{agent.delivery.id}"
+    stranger = enrolled_secret(agent.step.community)
+    for intruder in ({"secret_key": other.secret}, {"secret_key": stranger}):
+        response = agent.call(client, "GET", path, **intruder)
+        answer(response, 404, "not_found")
+        assert agent.step.message.content.encode() not in response.content
+        assert bytes(agent.step.message.id).hex().encode() not in response.content
+
+
+# -- batches -----------------------------------------------------------------------------
+
+
+def _more_deliveries(agent: Agent, count: int) -> list:
+    steps = [
+        factories.Step(owner=agent.step.community, targets=[agent.pubkey], step_id=f"more-{n}")
+        for n in range(count)
+    ]
+    return [factories.committed(step)[0] for step in steps]
+
+
+def test_claim_batch_claims_up_to_the_limit_oldest_first_with_messages(client, agent):
+    _more_deliveries(agent, 2)
+    claimed = answer(agent.call(client, "POST", "v1/claim/batch", {"limit": 2}), 200)["claimed"]
+    assert len(claimed) == 2
+    oldest = WorkflowAgentDelivery.objects.order_by("created_at", "id").values_list("id", flat=True)
+    assert [item["delivery"]["id"] for item in claimed] == [str(value) for value in oldest[:2]]
+    assert all(item["delivery"]["message"]["kind"] == 9 for item in claimed)
+    assert all(item["lease"]["generation"] == 1 for item in claimed)
+    rest = answer(agent.call(client, "POST", "v1/claim/batch", {"limit": 5}), 200)["claimed"]
+    assert len(rest) == 1
+    assert answer(agent.call(client, "POST", "v1/claim/batch", {"limit": 5}), 200) == {
+        "claimed": []
+    }
+
+
+@pytest.mark.parametrize("limit", [0, 101, "2", None])
+def test_claim_batch_refuses_a_bad_limit(client, agent, limit):
+    before = rows()
+    response = agent.call(client, "POST", "v1/claim/batch", {"limit": limit})
+    assert answer(response, 400, "invalid_request")["field"] == "limit"
+    assert rows() == before
+
+
+def test_finish_batch_answers_each_settlement_in_order(client, agent):
+    _more_deliveries(agent, 1)
+    claimed = answer(agent.call(client, "POST", "v1/claim/batch", {"limit": 2}), 200)["claimed"]
+    first, second = (item["lease"] for item in claimed)
+    settlements = [
+        {"delivery_id": first["delivery_id"], "generation": 1, "outcome": "finished"},
+        {"delivery_id": second["delivery_id"], "generation": 7, "outcome": "finished"},
+        {"delivery_id": first["delivery_id"], "generation": 1, "outcome": "failed"},
+    ]
+    results = answer(
+        agent.call(client, "POST", "v1/finish/batch", {"settlements": settlements}), 200
+    )["results"]
+    assert results == [
+        {
+            "delivery_id": first["delivery_id"],
+            "result": "settled",
+            "outcome": "finished",
+            "status": None,
+        },
+        {
+            "delivery_id": second["delivery_id"],
+            "result": "lease_lost",
+            "outcome": None,
+            "status": None,
+        },
+        {
+            "delivery_id": first["delivery_id"],
+            "result": "already_terminal",
+            "outcome": None,
+            "status": "finished",
+        },
+    ]
+    intruder = {"secret_key": enrolled_secret(agent.step.community)}
+    stolen = [{"delivery_id": second["delivery_id"], "generation": 1, "outcome": "failed"}]
+    before = rows()
+    results = answer(
+        agent.call(client, "POST", "v1/finish/batch", {"settlements": stolen}, **intruder), 200
+    )["results"]
+    assert [item["result"] for item in results] == ["lease_lost"]
+    assert rows() == before
