@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 from datetime import UTC
 
+import jsonschema_rs
 import pytest
 
 from tests import factories
@@ -184,3 +185,69 @@ def test_finish_batch_answers_each_settlement_in_order(client, agent):
     )["results"]
     assert [item["result"] for item in results] == ["lease_lost"]
     assert rows() == before
+
+
+# -- answers against the document that describes them -------------------------------------
+
+
+def _closed(schema: object) -> object:
+    """``schema`` with every object closed to keys it does not name, so an answer
+    carrying a field the document does not describe fails too."""
+    if isinstance(schema, list):
+        return [_closed(item) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    closed = {key: _closed(value) for key, value in schema.items()}
+    if closed.get("type") == "object" and "properties" in closed:
+        closed.setdefault("additionalProperties", False)
+    return closed
+
+
+def _conforms(openapi: dict, path: str, method: str, document: object) -> None:
+    declared = openapi["paths"]["/agents/" + path][method]["responses"]["200"]
+    schema = declared["content"]["application/json"]["schema"]
+    # The schema's $refs point into the OpenAPI document's components.
+    root = {**_closed(schema), "components": _closed(openapi["components"])}
+    errors = [error.message for error in jsonschema_rs.validator_for(root).iter_errors(document)]
+    assert not errors, (path, errors)
+
+
+def test_every_answer_is_what_the_openapi_document_declares(client, agent):
+    """The views render the wire documents without running the response models over
+    them: each answer must still be exactly the schema its endpoint declares."""
+    openapi = answer(client.get("/agents/v1/openapi.json"), 200)
+    _more_deliveries(agent, 1)
+    one = "v1/deliveries/{delivery_id}"
+
+    claimed = answer(agent.call(client, "POST", "v1/claim", {"lease_seconds": 30}), 200)
+    _conforms(openapi, "v1/claim", "post", claimed)
+    lease = claimed["lease"]
+    path = f"v1/deliveries/{lease['delivery_id']}"
+    renewed = answer(agent.call(client, "POST", f"{path}/renew", {"generation": 1}), 200)
+    _conforms(openapi, f"{one}/renew", "post", renewed)
+    _conforms(openapi, one, "get", answer(agent.call(client, "GET", path), 200))
+    for outcome in ("failed", "finished"):  # settled, then already terminal
+        finish = {"generation": 1, "outcome": outcome}
+        settled = answer(agent.call(client, "POST", f"{path}/finish", finish), 200)
+        _conforms(openapi, f"{one}/finish", "post", settled)
+    # A settled delivery's read carries its finish time and no lease.
+    _conforms(openapi, one, "get", answer(agent.call(client, "GET", path), 200))
+
+    batch = answer(agent.call(client, "POST", "v1/claim/batch", {"limit": 5}), 200)
+    assert len(batch["claimed"]) == 1
+    _conforms(openapi, "v1/claim/batch", "post", batch)
+    second = batch["claimed"][0]["lease"]
+    settlements = [
+        {"delivery_id": second["delivery_id"], "generation": 1, "outcome": "finished"},
+        {"delivery_id": second["delivery_id"], "generation": 9, "outcome": "finished"},
+        {"delivery_id": lease["delivery_id"], "generation": 1, "outcome": "finished"},
+    ]
+    results = answer(
+        agent.call(client, "POST", "v1/finish/batch", {"settlements": settlements}), 200
+    )
+    assert [item["result"] for item in results["results"]] == [
+        "settled",
+        "lease_lost",
+        "already_terminal",
+    ]
+    _conforms(openapi, "v1/finish/batch", "post", results)

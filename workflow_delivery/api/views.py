@@ -186,8 +186,8 @@ def _signed(request: HttpRequest) -> Signed:
 
 def _answer(request: HttpRequest, document: dict) -> HttpResponse:
     """A 200 answer rendered as it is: the wire documents are the schema's already
-    (``wire``; tests/api/test_operations.py compares them), so the response model is not run
-    over them again."""
+    (``wire``; a test holds every answer to the schema its endpoint declares), so the
+    response model is not run over them again."""
     return api.create_response(request, document, status=200)
 
 
