@@ -14,7 +14,7 @@ from django.db import connection, connections, transaction
 from django.test import Client
 
 from tests import factories
-from workflow_delivery import sending, services
+from workflow_delivery import services
 from workflow_delivery.exceptions import (
     CommunityNotFound,
     CommunityWriteFenced,
@@ -38,6 +38,7 @@ from workflow_delivery.protocol import (
     WebhookCause,
     message_v1_targets,
 )
+from workflow_delivery.services import sending
 
 pytestmark = pytest.mark.django_db
 

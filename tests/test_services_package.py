@@ -6,7 +6,8 @@ from __future__ import annotations
 import importlib
 import inspect
 
-from workflow_delivery import sending, services
+from workflow_delivery import services
+from workflow_delivery.services import sending
 
 AUDIENCES = ["producer", "holder", "maintenance", "operator", "replay"]
 

@@ -57,7 +57,7 @@ from .protocol import (
     as_bytes32,
     as_uuid,
 )
-from .services.holder import _lease_seconds
+from .services.holder import checked_lease_seconds
 from .store.errors import CONNECTION_ERRORS, is_connection_lost
 from .validation import is_number, is_whole_number
 from .wakeups import WakeListener
@@ -293,7 +293,7 @@ class Consumer:
             raise ProtocolError("handler", "must be callable")
         self.handler = handler
         # The same rule a claim applies, checked here rather than on the first claim.
-        self.lease_seconds = _lease_seconds(lease_seconds)
+        self.lease_seconds = checked_lease_seconds(lease_seconds)
         if not (is_whole_number(concurrency) and concurrency > 0):
             raise ProtocolError("concurrency", f"must be a positive whole number: {concurrency!r}")
         self.concurrency = concurrency

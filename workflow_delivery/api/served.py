@@ -40,7 +40,7 @@ from ..protocol import (
     stored_lease,
     stored_message,
 )
-from ..services.holder import _lease_seconds
+from ..services.holder import checked_lease_seconds
 from ..store import rows, run, statements
 from ..store.errors import REQUEST_REFUSED
 from ..store.statement import Statement
@@ -122,7 +122,7 @@ def claim(
 ) -> list[tuple[Lease, DeliveryRecord, MessageEvent | None]]:
     """Claim up to ``limit`` of the caller's oldest claimable deliveries, oldest first,
     each with its lease and message."""
-    seconds = _lease_seconds(lease_seconds)
+    seconds = checked_lease_seconds(lease_seconds)
     community_id, answer = _run(
         signed, statements.SERVED_CLAIM, {"limit": limit, "lease_seconds": seconds}
     )
@@ -143,7 +143,7 @@ def renew(
     signed: Signed, delivery_id: UUID, generation: int, lease_seconds: int | None
 ) -> Renewed | LeaseLost:
     """Extend the caller's live lease; a lost lease leaves nothing recorded."""
-    seconds = _lease_seconds(lease_seconds)
+    seconds = checked_lease_seconds(lease_seconds)
     params = {"lease_seconds": seconds, "delivery_id": delivery_id, "generation": generation}
     try:
         _, answer = _run(signed, statements.SERVED_RENEW, params)

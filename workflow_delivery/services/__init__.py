@@ -1,7 +1,7 @@
 """Every state change of a delivery, one module per audience:
 
-- ``producer``: commit a step's deliveries under its identity lock (``send_message``,
-  the one-call producer, lives in ``sending``);
+- ``producer``: commit a step's deliveries under its identity lock;
+- ``sending``: ``send_message``, the one-call producer built on ``producer``;
 - ``holder``: what an agent does with a delivery: claim, renew, finish, retry, give
   back, hold its row for fenced effects, wait idle, read it;
 - ``maintenance``: the reaper's and the prune command's sweeps;
@@ -14,10 +14,10 @@ Expected outcomes (a miss, a lost lease) are values; database rule violations be
 named exceptions.
 """
 
-from ..sending import send_message
 from .holder import (
     MAX_BATCH_SIZE,
     Held,
+    checked_lease_seconds,
     claim_deliveries,
     claim_delivery,
     finish_deliveries,
@@ -40,12 +40,14 @@ from .maintenance import (
 from .operator import fail_deliveries, release_deliveries
 from .producer import StepIdentity, commit_deliveries, delivery_identity
 from .replay import admit_request_event, prune_replay_guard, record_request_event
+from .sending import send_message
 
 __all__ = [
     "MAX_BATCH_SIZE",
     "Held",
     "StepIdentity",
     "admit_request_event",
+    "checked_lease_seconds",
     "claim_deliveries",
     "claim_delivery",
     "commit_deliveries",

@@ -50,7 +50,10 @@ from ._common import _max_attempts
 MAX_BATCH_SIZE = 1000
 
 
-def _lease_seconds(value: object) -> int:
+def checked_lease_seconds(value: object) -> int:
+    """A lease length as every claim path takes it: ``None`` is the configured default;
+    anything but a whole number from 1 to the configured maximum is
+    ``InvalidLeaseSeconds`` naming ``lease_seconds``."""
     # Bounded whatever the setting says (the system check reports a larger one), so a
     # lease end can never overflow the database's timestamp range.
     maximum = min(app_settings.MAX_LEASE_SECONDS, LEASE_SECONDS_BOUND)
@@ -130,7 +133,7 @@ def claim_delivery(
     ``delivery_id``, or only one matching ``expected`` in every field). A miss is None."""
     community_id = as_uuid("community_id", community_id)
     target_pubkey = as_bytes32("target_pubkey", target_pubkey)
-    seconds = _lease_seconds(lease_seconds)
+    seconds = checked_lease_seconds(lease_seconds)
     if delivery_id is not None:
         delivery_id = as_uuid("delivery_id", delivery_id)
     if expected is not None:
@@ -171,7 +174,7 @@ def claim_deliveries(
         raise ProtocolError(
             "limit", f"must be a whole number from 1 to {MAX_BATCH_SIZE}, not {limit!r}"
         )
-    seconds = _lease_seconds(lease_seconds)
+    seconds = checked_lease_seconds(lease_seconds)
     # One statement: the locking SELECT and the UPDATE share its transaction, so the
     # row locks last exactly as long as needed (or the caller's transaction).
     params = {
@@ -193,7 +196,7 @@ def renew_delivery(
     """Extend a live lease to now() + lease_seconds; an expired, reaped or superseded
     lease is lost and cannot revive itself."""
     params = _lease_params(lease)
-    params["lease_seconds"] = _lease_seconds(lease_seconds)
+    params["lease_seconds"] = checked_lease_seconds(lease_seconds)
     renewed = run.fetch(using, statements.RENEW, params)
     if not renewed:
         counters.LEASES_LOST.inc()

@@ -2,7 +2,7 @@
 once however often the step is retried, waking the consumers registered idle on
 their targets.
 
-``send_message`` (in ``sending``) is the one-call producer built on these."""
+``send_message`` (``services.sending``) is the one-call producer built on these."""
 
 from __future__ import annotations
 

@@ -32,10 +32,10 @@ from uuid import UUID
 from django.contrib.postgres.functions import TransactionNow
 from django.db import DEFAULT_DB_ALIAS
 
-from .exceptions import CommunityNotFound, IdempotencyConflict, ProtocolError
-from .keys import event_id as nip01_event_id
-from .models import Community, Event, Workflow, WorkflowAgentDelivery, WorkflowRun
-from .protocol import (
+from ..exceptions import CommunityNotFound, IdempotencyConflict, ProtocolError
+from ..keys import event_id as nip01_event_id
+from ..models import Community, Event, Workflow, WorkflowAgentDelivery, WorkflowRun
+from ..protocol import (
     MESSAGE_KIND,
     MESSAGE_V1_MARKER,
     STEP_ID_MAX_LENGTH,
@@ -53,8 +53,10 @@ from .protocol import (
     as_uuid,
     message_v1_targets,
 )
-from .store.errors import database_errors
-from .store.rows import RECORD_COLUMNS, record
+from ..store.errors import database_errors
+from ..store.rows import RECORD_COLUMNS, record
+from .holder import MAX_BATCH_SIZE
+from .producer import delivery_identity
 
 __all__ = ["MAX_TARGETS", "NAMESPACE", "UNSIGNED_SENDER", "WORKFLOW_NAME", "send_message"]
 
@@ -62,8 +64,8 @@ __all__ = ["MAX_TARGETS", "NAMESPACE", "UNSIGNED_SENDER", "WORKFLOW_NAME", "send
 NAMESPACE = UUID("6f1c7e0a-3c2b-5d8e-9a41-2b7d0c9e5f13")
 WORKFLOW_NAME = "send_message"
 UNSIGNED_SENDER = bytes(32)
-# One statement inserts every delivery of a message (services.MAX_BATCH_SIZE).
-MAX_TARGETS = 1000
+# One statement inserts every delivery of a message.
+MAX_TARGETS = MAX_BATCH_SIZE
 MAX_KIND = 65535
 
 
@@ -394,10 +396,6 @@ def send_message(
     instead of ``content``. The deliveries' ``definition_event_id`` is the given one,
     else the run's, else the workflow's, else the message's own id; their ``cause`` is
     the given one, else the message event (``EventCause``)."""
-    # Imported on call: the services package imports this module to re-export
-    # send_message, so a top-level import would be circular.
-    from .services.producer import delivery_identity
-
     community_id = as_uuid("community_id", community_id)
     key = _key(idempotency_key)
     given_event = _optional_bytes32("message_event_id", message_event_id)
