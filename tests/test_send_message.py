@@ -14,6 +14,7 @@ from django.db import connection, connections, transaction
 from django.test import Client
 
 from tests import factories
+from tests.races import run_together
 from workflow_delivery import services
 from workflow_delivery.exceptions import (
     CommunityNotFound,
@@ -376,21 +377,7 @@ def test_a_second_caller_waits_for_the_first_and_gets_its_deliveries():
 def test_two_threads_racing_with_one_key_make_one_message():
     owner = factories.community()
     targets = _agents(owner, 3)
-    barrier = threading.Barrier(2, timeout=30)
-    results: list[SentMessage] = []
-
-    def race() -> None:
-        try:
-            barrier.wait()
-            results.append(_send(owner, targets))
-        finally:
-            connection.close()
-
-    threads = [threading.Thread(target=race) for _ in range(2)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(30)
+    results = run_together(2, lambda _: _send(owner, targets))
     assert sorted(result.created for result in results) == [False, True]
     assert {tuple(r.id for r in result.deliveries) for result in results} == {
         tuple(r.id for r in results[0].deliveries)
@@ -401,25 +388,10 @@ def test_two_threads_racing_with_one_key_make_one_message():
 @pytest.mark.django_db(transaction=True)
 def test_first_sends_with_different_keys_racing_make_one_workflow():
     owner = factories.community()
-    agents = dict(zip(("a", "b"), _agents(owner, 2), strict=True))
-    barrier = threading.Barrier(2, timeout=30)
-    errors: list[BaseException] = []
-
-    def race(key: str) -> None:
-        try:
-            barrier.wait()
-            _send(owner, [agents[key]], key)
-        except BaseException as exc:  # noqa: BLE001 - reported by the assertion below
-            errors.append(exc)
-        finally:
-            connection.close()
-
-    threads = [threading.Thread(target=race, args=(key,)) for key in ("a", "b")]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(30)
-    assert errors == []
+    keys = ("a", "b")
+    agents = dict(zip(keys, _agents(owner, 2), strict=True))
+    # Either send raising fails the test here, with its own traceback.
+    run_together(2, lambda index: _send(owner, [agents[keys[index]]], keys[index]))
     assert _counts() == (1, 2, 2, 2)
 
 

@@ -20,6 +20,7 @@ from django.utils import timezone
 
 from tests import factories
 from tests.api.helpers import Agent, answer, rows
+from tests.races import run_together
 from workflow_delivery import fence, services
 from workflow_delivery.api import nip98
 from workflow_delivery.models import AgentRequestReplay, WorkflowAgentDelivery
@@ -52,21 +53,7 @@ def test_the_same_event_at_once_from_two_connections_is_recorded_once():
     owner = factories.community()
     event = factories.key32()
     now = int(time.time())
-    barrier = threading.Barrier(4)
-    results: list[tuple[bool, bool]] = []
-
-    def arrive() -> None:
-        try:
-            barrier.wait(10)
-            results.append(services.record_request_event(owner.id, event, now))
-        finally:
-            connections.close_all()
-
-    threads = [threading.Thread(target=arrive) for _ in range(4)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(30)
+    results = run_together(4, lambda _: services.record_request_event(owner.id, event, now))
     assert sorted(results) == [(True, False)] * 3 + [(True, True)]
     assert AgentRequestReplay.objects.filter(community=owner).count() == 1
 
