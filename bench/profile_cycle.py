@@ -3,15 +3,17 @@ the hand-written psycopg loop of the benchmarks, on a private database.
 
     .venv/bin/python bench/profile_cycle.py --cycles 2000 --top 25
 
-Prints the client CPU per cycle of both loops and the service loop's hottest
-functions; where the service spends more than the baseline is what a change to the
-client path can win.
+Prints the client CPU per cycle of both loops, the CPU their PostgreSQL backends
+spent per cycle (read from /proc, so the server must run on this machine), and the
+service loop's hottest functions; where the service spends more than the baseline
+is what a change to that side can win.
 """
 
 from __future__ import annotations
 
 import argparse
 import cProfile
+import os
 import pstats
 import statistics
 import sys
@@ -72,6 +74,15 @@ def main(argv: list[str] | None = None) -> int:
                 loop(n)
             return (time.process_time() - started) / count
 
+        from django.db import connection
+
+        connection.ensure_connection()
+        backends = {
+            "baseline": raw.info.backend_pid,
+            "service": connection.connection.info.backend_pid,
+        }
+        server_seconds = {name: 0.0 for name in backends}
+        server_cycles = dict.fromkeys(backends, 0)
         loops = {"baseline": baseline, "service": service}
         if args.batch:
 
@@ -90,12 +101,22 @@ def main(argv: list[str] | None = None) -> int:
         samples: dict[str, list[float]] = {name: [] for name in loops}
         for _ in range(max(1, args.cycles // chunk)):
             for name, loop in loops.items():
+                before = _backend_cpu(backends[name]) if name in backends else 0.0
                 per = cpu_per_cycle(loop, chunk)
+                if name in backends:
+                    server_seconds[name] += _backend_cpu(backends[name]) - before
+                    server_cycles[name] += chunk
                 samples[name].append(per / args.batch if name.startswith("batch") else per)
         medians = {name: statistics.median(values) for name, values in samples.items()}
         for name, value in medians.items():
             ratio = value / medians["baseline"]
             print(f"{name}: {value * 1e6:.0f} µs client CPU per cycle ({ratio:.2f} x baseline)")
+        # The kernel counts a process's CPU in clock ticks: summed over every round,
+        # not a median of rounds too short to tick.
+        server = {name: server_seconds[name] / server_cycles[name] for name in backends}
+        for name, value in server.items():
+            ratio = value / server["baseline"] if server["baseline"] else float("nan")
+            print(f"{name}: {value * 1e6:.0f} µs server CPU per cycle ({ratio:.2f} x baseline)")
         profiler = cProfile.Profile(time.process_time)  # CPU, not time spent waiting
         profiler.enable()
         cpu_per_cycle(service, args.cycles)
@@ -104,6 +125,13 @@ def main(argv: list[str] | None = None) -> int:
         pstats.Stats(profiler).sort_stats("tottime").print_stats(args.top)
         raw.close()
     return 0
+
+
+def _backend_cpu(pid: int) -> float:
+    """The CPU seconds (user and system) the PostgreSQL backend ``pid`` has used."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    # utime and stime, fields 14 and 15 of proc(5), counted after the command name.
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 if __name__ == "__main__":
