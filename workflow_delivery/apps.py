@@ -1,3 +1,5 @@
+"""The app's configuration: its name, and the system checks registered when it is ready."""
+
 from __future__ import annotations
 
 from django.apps import AppConfig
