@@ -1,14 +1,12 @@
 """Fixtures of the agent API tests. Every module here has the wake listener stopped at
 its end; the in-process modules also ask for ``any_host`` (their pytestmark), and take
-``client`` (a plain ``django.test.Client``, as pytest-django's) and ``agent`` as
-arguments."""
+pytest-django's ``client`` and this ``agent`` as arguments."""
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
 import pytest
-from django.test import Client
 
 from workflow_delivery.api.wake import hub
 
@@ -28,11 +26,6 @@ def stop_wake_listener():
 def any_host(settings):
     """Every Host allowed: the in-process tests name each community by its host."""
     settings.ALLOWED_HOSTS = ["*"]
-
-
-@pytest.fixture
-def client() -> Client:
-    return Client()
 
 
 @pytest.fixture
