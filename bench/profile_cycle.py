@@ -81,8 +81,7 @@ def main(argv: list[str] | None = None) -> int:
             "baseline": raw.info.backend_pid,
             "service": connection.connection.info.backend_pid,
         }
-        server_seconds = {name: 0.0 for name in backends}
-        server_cycles = dict.fromkeys(backends, 0)
+        server_seconds = dict.fromkeys(backends, 0.0)
         loops = {"baseline": baseline, "service": service}
         if args.batch:
 
@@ -99,13 +98,13 @@ def main(argv: list[str] | None = None) -> int:
         # falls on every loop alike.
         chunk = 100
         samples: dict[str, list[float]] = {name: [] for name in loops}
-        for _ in range(max(1, args.cycles // chunk)):
+        rounds = max(1, args.cycles // chunk)
+        for _ in range(rounds):
             for name, loop in loops.items():
                 before = _backend_cpu(backends[name]) if name in backends else 0.0
                 per = cpu_per_cycle(loop, chunk)
                 if name in backends:
                     server_seconds[name] += _backend_cpu(backends[name]) - before
-                    server_cycles[name] += chunk
                 samples[name].append(per / args.batch if name.startswith("batch") else per)
         medians = {name: statistics.median(values) for name, values in samples.items()}
         for name, value in medians.items():
@@ -113,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{name}: {value * 1e6:.0f} µs client CPU per cycle ({ratio:.2f} x baseline)")
         # The kernel counts a process's CPU in clock ticks: summed over every round,
         # not a median of rounds too short to tick.
-        server = {name: server_seconds[name] / server_cycles[name] for name in backends}
+        server = {name: seconds / (rounds * chunk) for name, seconds in server_seconds.items()}
         for name, value in server.items():
             ratio = value / server["baseline"] if server["baseline"] else float("nan")
             print(f"{name}: {value * 1e6:.0f} µs server CPU per cycle ({ratio:.2f} x baseline)")
