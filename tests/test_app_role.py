@@ -422,6 +422,59 @@ def test_grant_app_role_refuses_a_role_that_may_still_create_temporary_tables(ne
         run(f"REVOKE TEMPORARY ON DATABASE {database} FROM {grantor} CASCADE")
 
 
+def may_create_in_public(role: str) -> bool:
+    return fetch("SELECT has_schema_privilege(%s, 'public', 'CREATE')", [role])[0][0]
+
+
+def test_a_function_planted_in_the_apps_schema_never_runs_as_the_owner(executor_role):
+    """An executor role that may create in ``public`` (PUBLIC may, on a database made by
+    PostgreSQL 14) plants ``public.pg_backend_pid()``, then presents itself: the owner's
+    SECURITY DEFINER function runs the catalog's, never the planted one."""
+    step = factories.Step(targets=1)
+    factories.committed(step)
+    factories.move_to(step.community.id, "fenced")
+    generation = Community.objects.get(pk=step.community.pk).deletion_fence_generation
+    run(f"GRANT CREATE ON SCHEMA public TO {executor_role}")
+    with as_role(executor_role):
+        run(
+            "CREATE FUNCTION public.pg_backend_pid() RETURNS integer LANGUAGE plpgsql AS $$ "
+            "BEGIN PERFORM pg_catalog.set_config('wd_test.planted_ran_as', current_user, false); "
+            "RETURN pg_catalog.pg_backend_pid(); END $$"
+        )
+        with transaction.atomic():
+            run("SELECT pg_advisory_xact_lock(wd_community_deletion_key(%s))", [step.community.id])
+            run("SELECT wd_present_executor(%s, %s)", [step.community.id, generation])
+            run("SELECT wd_withdraw_executor()")
+        assert fetch("SELECT current_setting('wd_test.planted_ran_as', true)") == [(None,)]
+
+
+def test_grant_app_role_takes_back_publics_create_on_the_apps_schema(new_role):
+    """What a database made by PostgreSQL 14 grants; the role is made with it taken back."""
+    run("GRANT CREATE ON SCHEMA public TO PUBLIC")
+    try:
+        call_command("grant_app_role", new_role, stdout=StringIO())
+        assert may_create_in_public(new_role) is False
+    finally:
+        run("REVOKE CREATE ON SCHEMA public FROM PUBLIC")
+
+
+def test_grant_app_role_refuses_a_role_that_may_still_create_in_the_apps_schema(new_role):
+    """CREATE granted by another grantor, which the owner's REVOKE leaves in place."""
+    call_command("grant_app_role", new_role, stdout=StringIO())
+    with dropped_afterwards("grantor") as grantor:
+        run(f"CREATE ROLE {grantor}")
+        run(f"GRANT CREATE ON SCHEMA public TO {grantor} WITH GRANT OPTION")
+        run(f"SET ROLE {grantor}")
+        try:
+            run(f"GRANT CREATE ON SCHEMA public TO {new_role}")
+        finally:
+            run("RESET ROLE")
+        assert may_create_in_public(new_role) is True
+        with pytest.raises(CommandError, match="may create in schema public"):
+            call_command("grant_app_role", new_role, stdout=StringIO())
+        run(f"REVOKE CREATE ON SCHEMA public FROM {grantor} CASCADE")
+
+
 def test_grant_app_role_takes_a_role_back_to_its_attributes(new_role):
     run(f"CREATE ROLE {new_role} NOLOGIN CREATEDB CREATEROLE")
     call_command("grant_app_role", new_role, stdout=StringIO())

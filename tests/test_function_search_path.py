@@ -1,7 +1,8 @@
-"""Every function of the app's schema resolves names in that schema, then pg_catalog,
-then (explicitly, so last) pg_temp: a session's temporary table can never stand in for
-one of the app's tables inside a trigger. A migration that adds or replaces a function
-without that pin fails here."""
+"""Every function of the app's schema resolves names in pg_catalog, then that schema,
+then (explicitly, so last) pg_temp: a function planted in the app's schema can never
+stand in for a catalog function, nor a session's temporary table for one of the app's
+tables, inside a trigger or a SECURITY DEFINER function. A migration that adds or
+replaces a function without that pin fails here."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ pytestmark = pytest.mark.django_db
 
 def unpinned_functions() -> list[tuple[str, list[str] | None]]:
     """The functions of the schema the app was migrated into (an extension's aside)
-    whose search_path is not ``<schema>, pg_catalog, pg_temp``, with their settings."""
+    whose search_path is not ``pg_catalog, <schema>, pg_temp``, with their settings."""
     with connection.cursor() as cursor:
         cursor.execute(
             """
@@ -25,7 +26,7 @@ def unpinned_functions() -> list[tuple[str, list[str] | None]]:
                     WHERE d.classid = 'pg_proc'::regclass AND d.objid = p.oid AND d.deptype = 'e'
                )
                AND NOT coalesce(p.proconfig, '{}') @> ARRAY[
-                   'search_path=' || quote_ident(current_schema()) || ', pg_catalog, pg_temp'
+                   'search_path=pg_catalog, ' || quote_ident(current_schema()) || ', pg_temp'
                ]
              ORDER BY 1
             """

@@ -16,12 +16,16 @@ from django.db.backends.base.base import BaseDatabaseWrapper
 ATTRIBUTES = "LOGIN NOSUPERUSER NOCREATEDB NOCREATEROLE NOBYPASSRLS"
 
 # Everything it is granted: DML on the app's tables, no TRUNCATE, TRIGGER or ownership,
-# no temporary tables (the app needs none; PUBLIC holds TEMPORARY on a new database), and
-# nothing on the deletion executor's presentations.
+# no temporary tables (the app needs none; PUBLIC holds TEMPORARY on a new database), no
+# CREATE in the app's schema (PUBLIC holds it on a database made by PostgreSQL 14 or
+# earlier: a function planted there could stand in for one the owner's functions call),
+# and nothing on the deletion executor's presentations.
 GRANTS = (
     "GRANT CONNECT ON DATABASE {database} TO {role}",
     "REVOKE TEMPORARY ON DATABASE {database} FROM PUBLIC",
     "REVOKE TEMPORARY ON DATABASE {database} FROM {role}",
+    "REVOKE CREATE ON SCHEMA public FROM PUBLIC",
+    "REVOKE CREATE ON SCHEMA public FROM {role}",
     "GRANT USAGE ON SCHEMA public TO {role}",
     "GRANT SELECT, INSERT, UPDATE, DELETE ON ALL TABLES IN SCHEMA public TO {role}",
     "REVOKE ALL ON wd_executor_presentations FROM {role}",
@@ -77,7 +81,8 @@ def ensure_app_role(
     Idempotent. A password given is set each time; none leaves the role's as it is.
     Raises ``RoleRefused`` when the role is the connection's own, belongs to another
     role, owns something here, holds a forbidden table privilege, or may still create
-    temporary tables (PUBLIC's TEMPORARY could not be revoked by this role).
+    temporary tables or create in the app's schema (PUBLIC's TEMPORARY or CREATE could
+    not be revoked by this role).
     """
     quote: Callable[[str], str] = connection.ops.quote_name
     with connection.cursor() as cursor:
@@ -142,5 +147,11 @@ def _problems(cursor, role: str) -> list[str]:
     if cursor.fetchone()[0]:
         problems.append(
             "may create temporary tables (REVOKE TEMPORARY ON DATABASE … FROM PUBLIC, as its owner)"
+        )
+    cursor.execute("SELECT has_schema_privilege(%s, 'public', 'CREATE')", [role])
+    if cursor.fetchone()[0]:
+        problems.append(
+            "may create in schema public (REVOKE CREATE ON SCHEMA public FROM PUBLIC, "
+            "as the schema's owner, and from every role it is a member of)"
         )
     return problems
