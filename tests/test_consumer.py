@@ -188,6 +188,26 @@ def test_a_handler_whose_session_is_killed_gives_its_lease_back_with_no_error(db
     assert row.status == DeliveryStatus.PENDING and row.last_error_type is None
 
 
+def test_a_handler_whose_session_the_server_ends_when_idle_gives_its_lease_back(db):
+    """``idle_session_timeout`` ends the session between two of the handler's
+    statements (57P05): a lost connection, not the handler failing."""
+    step = factories.Step(targets=1)
+    (delivery,) = factories.committed(step)
+
+    def idle_too_long(record, lease, context) -> None:
+        with connection.cursor() as cursor:
+            cursor.execute("SET idle_session_timeout = '100ms'")
+        time.sleep(0.5)
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT 1")
+
+    with Running(consumer_for(step, idle_too_long, max_deliveries=1, poll_interval=0.05)) as run:
+        stats = run.join(20)
+    assert (stats.retried, stats.released) == (0, 1)
+    row = WorkflowAgentDelivery.objects.get(id=delivery.id)
+    assert row.status == DeliveryStatus.PENDING and row.last_error_type is None
+
+
 def test_a_stop_lets_a_short_handler_finish_and_releases_a_long_one(db):
     step = factories.Step(targets=2)
     quick, slow = factories.committed(step)

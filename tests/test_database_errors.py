@@ -6,8 +6,16 @@ from __future__ import annotations
 
 import time
 
+import psycopg
 import pytest
-from django.db import DatabaseError, OperationalError, connection, transaction
+from django.db import (
+    DEFAULT_DB_ALIAS,
+    DatabaseError,
+    OperationalError,
+    connection,
+    connections,
+    transaction,
+)
 
 from tests import factories
 from tests.locks import expire_all, key_of
@@ -101,6 +109,69 @@ def test_idle_in_transaction_error_is_classified_as_connection_lost(worker):
     exc = worker.call(next_statement)
     assert errors.sqlstate(exc) == "25P03"
     assert errors.is_connection_lost(exc)
+
+
+def end_by_idle_session_timeout() -> None:
+    """Leave this thread's session idle (no transaction) until the server ends it."""
+    with connection.cursor() as c:
+        c.execute("SET idle_session_timeout = '100ms'")
+    connection.close_at = None
+    connection.health_check_enabled = False
+    time.sleep(0.5)
+
+
+def next_statement_error() -> BaseException:
+    try:
+        with connection.cursor() as c:
+            c.execute("SELECT 1")
+    except DatabaseError as exc:
+        return exc
+    pytest.fail("the ended session answered")
+
+
+def this_threads_connection():
+    return connections[DEFAULT_DB_ALIAS]
+
+
+def test_idle_session_timeout_is_a_lost_connection(worker):
+    worker.call(end_by_idle_session_timeout)
+    exc = worker.call(next_statement_error)
+    assert errors.sqlstate(exc) == "57P05"
+    assert errors.is_connection_lost(exc)
+    assert errors.is_connection_lost(exc, worker.call(this_threads_connection))
+
+
+def test_idle_session_timeout_is_a_lost_connection_the_reaper_loop_survives(worker):
+    step = factories.Step(targets=1)
+    factories.committed(step)
+    expire_all(step)
+    worker.call(end_by_idle_session_timeout)
+
+    def failing_then_working_loop():
+        return Reaper(batch_size=10, max_backoff=0.1).loop(
+            interval=0.01, stop=StopRequest(), max_sweeps=2
+        )
+
+    summary = worker.call(failing_then_working_loop)
+    assert (summary.sweeps, summary.failed, summary.reclaimed) == (2, 1, 1)
+
+
+@pytest.mark.parametrize("code", ["25P04", "XX000", "22012"])
+def test_an_error_that_left_its_connection_closed_is_a_lost_connection(worker, code):
+    """Whatever the SQLSTATE: ``transaction_timeout`` (25P04, PostgreSQL 17 and later)
+    included, on a server that cannot raise it, and codes no server ends a session with.
+    The connection is one the server really ended; the same error on an open one is not
+    a lost connection."""
+    worker.call(end_by_idle_session_timeout)
+    worker.call(next_statement_error)
+    ended = worker.call(this_threads_connection)
+    error = psycopg.errors.lookup(code)("the server's reason")
+    wrapped = DatabaseError("the server's reason")
+    wrapped.__cause__ = error
+    assert errors.sqlstate(wrapped) == code
+    assert errors.is_connection_lost(wrapped, ended)
+    assert errors.is_connection_lost(error, ended.connection)
+    assert errors.is_connection_lost(wrapped, connection) is (code == "25P04")
 
 
 def test_other_database_errors_are_neither_lost_nor_timeouts(db):

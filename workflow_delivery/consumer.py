@@ -154,7 +154,7 @@ def _recover(consumer: Consumer, exc: BaseException) -> None:
     """After a statement of the consumer's own failed with one of ``CONNECTION_ERRORS``,
     which it retries: a lost session (``is_connection_lost``) is counted and dropped so
     the next statement reconnects; any other (a deadlock, say) leaves the session be."""
-    if is_connection_lost(exc):
+    if is_connection_lost(exc, connections[consumer.using]):
         consumer._count("connection_errors")
         _discard_connection(consumer.using)
 
@@ -566,7 +566,7 @@ class Consumer:
             )
             outcome, error = Outcome.FAILED, exc
         except Exception as exc:
-            if is_connection_lost(exc):
+            if is_connection_lost(exc, connections[self.using]):
                 # Not the handler's verdict on the delivery: give it back to be retried.
                 logger.warning("handler lost its connection on %s (%s)", lease.delivery_id, exc)
                 _discard_connection(self.using)

@@ -209,9 +209,10 @@ class Reaper:
                 logger.warning("sweep=%s error=timeout sqlstate=%s", number, exc.sqlstate)
                 pause = interval
             except Exception as exc:
-                # Only a lost session (store.errors.is_connection_lost: class 08, 57P01-57P03,
-                # 25P03) is retried on a fresh connection; anything else is a bug.
-                if not is_connection_lost(exc):
+                # Only a lost session (store.errors.is_connection_lost: class 08, 57P01-57P05,
+                # 25P03-25P04, or a connection left closed) is retried on a fresh
+                # connection; anything else is a bug.
+                if not any(is_connection_lost(exc, connections[alias]) for alias in self.databases):
                     raise
                 failed += 1
                 backoff = min(self.max_backoff, backoff * 2 or 0.5)
