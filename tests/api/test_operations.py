@@ -11,6 +11,7 @@ from datetime import UTC
 
 import jsonschema_rs
 import pytest
+from django.db import connection
 
 from tests import factories
 from tests.api.helpers import Agent, answer, enrolled_secret, rows
@@ -43,6 +44,45 @@ def test_claim_renew_get_finish(client, agent):
     )
     assert again == {"result": "already_terminal", "status": "failed"}
     assert answer(agent.call(client, "POST", "v1/claim"), 204) is None
+
+
+def set_delivery(delivery_id, assignment: str) -> None:
+    with connection.cursor() as cursor:
+        cursor.execute(
+            f"UPDATE workflow_agent_deliveries SET {assignment} WHERE id = %s", [delivery_id]
+        )
+
+
+def test_a_lease_past_its_lease_until_is_neither_renewed_nor_settled(client, agent):
+    """Expired but not yet reaped: still ``claimed``, its generation current, and lost."""
+    claimed = answer(agent.call(client, "POST", "v1/claim", {"lease_seconds": 30}), 200)
+    path = f"v1/deliveries/{agent.delivery.id}"
+    set_delivery(agent.delivery.id, "lease_until = statement_timestamp() - interval '1 second'")
+    before = rows()
+    generation = claimed["lease"]["generation"]
+    answer(
+        agent.call(client, "POST", f"{path}/renew", {"generation": generation}), 409, "lease_lost"
+    )
+    finish = {"generation": generation, "outcome": "finished"}
+    answer(agent.call(client, "POST", f"{path}/finish", finish), 409, "lease_lost")
+    assert rows() == before
+    assert before[0]["status"] == "claimed"
+
+
+@pytest.mark.parametrize("limit", [None, 5])
+def test_a_delivery_backing_off_is_not_claimed_before_its_time(client, agent, limit):
+    """A pending delivery whose retry is not yet due: the single claim and the batch
+    claim pass it over until ``available_at``."""
+    path, document = ("v1/claim", {}) if limit is None else ("v1/claim/batch", {"limit": limit})
+    set_delivery(agent.delivery.id, "available_at = statement_timestamp() + interval '1 hour'")
+    before = rows()
+    answered = answer(agent.call(client, "POST", path, document), 204 if limit is None else 200)
+    assert limit is None or answered["claimed"] == []
+    assert rows() == before
+    set_delivery(agent.delivery.id, "available_at = statement_timestamp() - interval '1 second'")
+    answered = answer(agent.call(client, "POST", path, document), 200)
+    claimed = answered if limit is None else answered["claimed"][0]
+    assert claimed["delivery"]["id"] == str(agent.delivery.id)
 
 
 def test_claim_with_the_expected_binding_and_with_one_field_off(client, agent):
