@@ -290,6 +290,22 @@ def test_the_timeline_can_be_turned_off_for_the_apps_sessions(settings):
     assert history.unrecorded_attempts(entries(other_id), delivery) == 0
 
 
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize("reset", ["RESET ALL", "DISCARD ALL", "RESET workflow_delivery.timeline"])
+def test_a_session_reset_does_not_turn_the_timeline_back_on(settings, reset):
+    """Off, the app tells each session so once; a statement that puts the session's
+    settings back to their defaults is noticed, and the session is told again."""
+    settings.WORKFLOW_DELIVERY_TIMELINE = False
+    step, delivery_id = one_delivery()
+    services.reap_deliveries()  # a statement of the app's: the session is told
+    with connection.cursor() as cursor:
+        cursor.execute(reset)
+        cursor.execute("SELECT current_setting('workflow_delivery.timeline', true)")
+        assert cursor.fetchone()[0] in {None, ""}
+    run_with_a_reap(step, delivery_id)
+    assert stored(delivery_id) == []
+
+
 TARGETS = 40
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import weakref
 from collections.abc import Callable, Iterator, Mapping
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from typing import Any, NoReturn
 
 from django.db import DatabaseError, connections, transaction
@@ -95,8 +95,9 @@ def _sync_timeline(
 ) -> None:
     """Tell this session whether the timeline trigger records (``WORKFLOW_DELIVERY_TIMELINE``),
     by ``send(statement, args)``. A session setting, sent once per connection and again
-    only when the setting changes; a session that never hears it records (the
-    database's default)."""
+    only when the setting changes or a statement run through Django reset the
+    session's settings (``RESET``, ``DISCARD ALL``: ``_notice_session_reset``); a
+    session that never hears it records (the database's default)."""
     wanted = bool(app_settings.TIMELINE)
     try:
         recording = _TIMELINE_TOLD.get(raw, True)
@@ -117,6 +118,30 @@ def _sync_timeline(
         _TIMELINE_TOLD[raw] = wanted
     else:
         wrapper._wd_timeline = (id(raw), wanted)
+    if _notice_session_reset not in wrapper.execute_wrappers:
+        # First of the wrappers: Django's execute_wrapper() blocks pop the last.
+        wrapper.execute_wrappers.insert(0, _notice_session_reset)
+
+
+# What a statement's command status is when it put the session's settings back to
+# their defaults (RESET ALL, or RESET of one; DISCARD ALL).
+_RESETS = frozenset({"RESET", "DISCARD ALL"})
+
+
+def _notice_session_reset(
+    execute: Callable, sql: Any, params: Any, many: bool, context: dict[str, Any]
+) -> Any:
+    """Django's execute wrapper on a connection the app told its timeline: a statement
+    that reset the session's settings makes the app forget what it told, so its next
+    statement tells the session again."""
+    result = execute(sql, params, many, context)
+    status = getattr(context["cursor"].cursor, "statusmessage", None)
+    if status in _RESETS:
+        wrapper = context["connection"]
+        with suppress(TypeError):  # a connection that takes no weak reference
+            _TIMELINE_TOLD.pop(wrapper.connection, None)
+        wrapper.__dict__.pop("_wd_timeline", None)
+    return result
 
 
 def _send_through_django(wrapper: Any) -> Callable[[Statement, list[object]], object]:
