@@ -60,16 +60,13 @@ def test_text_from_the_document_is_escaped(pages):
     assert "<base64" not in text
 
 
-def test_markup_in_a_schema_cannot_reach_the_page(rf):
+def test_markup_in_a_schema_cannot_reach_the_page():
     hostile = {
         "info": {"title": "<script>alert(1)</script>", "version": "1", "description": ""},
         "paths": {"/x": {"get": {"summary": "<img src=x onerror=alert(1)>", "responses": {}}}},
         "components": {"schemas": {"Doc": {"properties": {"a": {"description": "<b>"}}}}},
     }
-    response = docs_view.render(
-        rf.get(DOCS), "workflow_delivery/api_docs.html", docs_view.page_context(hostile)
-    )
-    text = response.content.decode()
+    text = docs_view.render_page(hostile)
     assert "<script>alert" not in text and "&lt;script&gt;" in text
     assert "<img" not in text and "<b>" not in text
 
@@ -94,3 +91,31 @@ def test_type_names_follow_references_and_unions():
     assert (
         docs_view.type_name({"enum": ["finished", "failed"]}).text == "one of 'finished', 'failed'"
     )
+
+
+def test_the_document_and_the_page_are_built_once_per_process(client: Client, monkeypatch):
+    """Both answer without a signature: each call serves what the first one built."""
+    import ninja.main
+    from ninja.responses import NinjaJSONEncoder
+
+    from workflow_delivery.api.views import api
+
+    builds = []
+    build = ninja.main.get_schema
+
+    def counted(**options):
+        builds.append(options["path_prefix"])
+        return build(**options)
+
+    monkeypatch.setattr(ninja.main, "get_schema", counted)
+    rendered = []
+    render = docs_view.render_page
+    monkeypatch.setattr(docs_view, "render_page", lambda doc: rendered.append(1) or render(doc))
+    monkeypatch.setitem(api.__dict__, "_openapi_documents", {})
+    monkeypatch.setattr(docs_view, "_PAGES", {})
+    documents = {client.get(OPENAPI).content for _ in range(3)}
+    pages = {client.get(DOCS).content for _ in range(3)}
+    assert builds == ["/agents/"] and len(rendered) == 1
+    assert len(documents) == len(pages) == 1
+    fresh = json.dumps(build(api=api, path_prefix="/agents/"), cls=NinjaJSONEncoder)
+    assert json.loads(documents.pop()) == json.loads(fresh)

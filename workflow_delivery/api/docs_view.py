@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from django.http import HttpRequest, HttpResponse
-from django.shortcuts import render
+from django.template.loader import render_to_string
 from django.views.decorators.http import require_safe
 
 from .views import api
@@ -206,8 +206,21 @@ def page_context(openapi: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def render_page(openapi: dict[str, Any]) -> str:
+    """The page of an OpenAPI 3 document."""
+    return render_to_string("workflow_delivery/api_docs.html", page_context(openapi))
+
+
+# The page as rendered, per OpenAPI document (one per path the API is served under).
+_PAGES: dict[int, tuple[dict[str, Any], bytes]] = {}
+
+
 @require_safe
 def api_docs(request: HttpRequest) -> HttpResponse:
-    """The API's reference page (``v1/docs``), beside ``v1/openapi.json``."""
+    """The API's reference page (``v1/docs``), beside ``v1/openapi.json``; rendered
+    once per process from the document the API built once."""
     openapi = api.get_openapi_schema()
-    return render(request, "workflow_delivery/api_docs.html", page_context(openapi))
+    page = _PAGES.get(id(openapi))
+    if page is None or page[0] is not openapi:
+        page = _PAGES[id(openapi)] = (openapi, render_page(openapi).encode())
+    return HttpResponse(page[1])

@@ -51,7 +51,28 @@ from .auth import (
 )
 from .wake import hub
 
-api = NinjaAPI(
+
+class _DocumentedOnce(NinjaAPI):
+    """The OpenAPI document built once per process for each path it is served under
+    (building it costs tens of milliseconds, and ``openapi.json`` and ``v1/docs``
+    answer without a signature). The views and their schemas are fixed at import."""
+
+    def get_openapi_schema(self, *, path_prefix=None, path_params=None):  # type: ignore[override]
+        if path_prefix is None:
+            path_prefix = self.get_root_path(path_params or {})
+        built = self._documents.get(path_prefix)
+        if built is None:
+            built = self._documents[path_prefix] = super().get_openapi_schema(
+                path_prefix=path_prefix
+            )
+        return built
+
+    @property
+    def _documents(self) -> dict:
+        return self.__dict__.setdefault("_openapi_documents", {})
+
+
+api = _DocumentedOnce(
     title="Workflow delivery: agent API",
     version="1",
     description=(
