@@ -20,6 +20,7 @@ from workflow_delivery.exceptions import (
     CommunityNotFound,
     CommunityWriteFenced,
     IdempotencyConflict,
+    MessageTooLarge,
     ProtocolError,
     TargetNotEnrolled,
 )
@@ -200,6 +201,69 @@ def test_bad_input_names_the_field_and_stores_nothing(options, field):
         services.send_message(owner.id, **arguments)
     assert caught.value.field == field
     assert _counts() == (0, 0, 0, 0)
+
+
+DEFAULT_BOUNDS = {
+    "MAX_MESSAGE_CONTENT_BYTES": 1048576,
+    "MAX_MESSAGE_TAGS": 1000,
+    "MAX_MESSAGE_TAGS_BYTES": 65536,
+}
+
+
+@pytest.mark.parametrize(
+    ("limits", "options", "field", "setting", "size"),
+    [
+        ({}, {"content": "x" * (1048576 + 1)}, "content", "MAX_MESSAGE_CONTENT_BYTES", 1048577),
+        (
+            {"MAX_MESSAGE_CONTENT_BYTES": 10},
+            {"content": "é" * 6},
+            "content",
+            "MAX_MESSAGE_CONTENT_BYTES",
+            12,
+        ),
+        ({}, {"tags": [["t", str(n)] for n in range(1001)]}, "tags", "MAX_MESSAGE_TAGS", 1001),
+        ({}, {"tags": [["t", "x" * 70000]]}, "tags", "MAX_MESSAGE_TAGS_BYTES", 70010),
+        ({"MAX_MESSAGE_TAGS": 2}, {"tags": [["a"], ["b"], ["c"]]}, "tags", "MAX_MESSAGE_TAGS", 3),
+        (
+            {"MAX_MESSAGE_TAGS_BYTES": 8},
+            {"tags": [["abcdefg"]]},
+            "tags",
+            "MAX_MESSAGE_TAGS_BYTES",
+            13,
+        ),
+    ],
+)
+def test_a_message_over_a_bound_names_the_limit_and_stores_nothing(
+    settings, limits, options, field, setting, size
+):
+    """Content and tags are bounded by settings (their defaults first); the error names
+    the field, the setting and its value, and the size given."""
+    for name, value in limits.items():
+        setattr(settings, f"WORKFLOW_DELIVERY_{name}", value)
+    owner = factories.community()
+    targets = _agents(owner, 1)
+    with pytest.raises(MessageTooLarge) as caught:
+        _send(owner, targets, **options)
+    error = caught.value
+    assert (error.field, error.setting, error.size) == (
+        field, f"WORKFLOW_DELIVERY_{setting}", size,
+    )  # fmt: skip
+    limit = limits.get(setting, DEFAULT_BOUNDS[setting])
+    unit = "tags" if setting == "MAX_MESSAGE_TAGS" else "bytes"
+    assert error.limit == limit
+    assert str(error) == (
+        f"{field}: {size} {unit}, over the limit of {limit} (WORKFLOW_DELIVERY_{setting})"
+    )
+    assert _counts() == (0, 0, 0, 0)
+
+
+def test_a_message_at_its_bounds_is_sent(settings):
+    settings.WORKFLOW_DELIVERY_MAX_MESSAGE_CONTENT_BYTES = 12
+    settings.WORKFLOW_DELIVERY_MAX_MESSAGE_TAGS = 2
+    settings.WORKFLOW_DELIVERY_MAX_MESSAGE_TAGS_BYTES = 22
+    owner = factories.community()
+    sent = _send(owner, _agents(owner, 1), content="é" * 6, tags=[["a", "b"], ["cdefgh"]])
+    assert sent.created and sent.message.content == "é" * 6
 
 
 def test_an_unknown_community_is_named():

@@ -51,6 +51,12 @@ DEFAULTS: dict[str, Any] = {
     # The same rest for retention: shorter than the reaper's, as pruning runs on a
     # schedule rather than to clear an outage's backlog.
     "PRUNE_YIELD_RATIO": 1.0,
+    # send_message's bounds on a new message: its content's encoded size (UTF-8; a JSON
+    # value's compact encoding), the number of the caller's tags, and their encoded
+    # size (UTF-8 of their compact JSON), each checked before anything is stored.
+    "MAX_MESSAGE_CONTENT_BYTES": 1048576,
+    "MAX_MESSAGE_TAGS": 1000,
+    "MAX_MESSAGE_TAGS_BYTES": 65536,
     # Record each delivery's transitions (the timeline trigger) for the app's sessions.
     "TIMELINE": True,
     # Community id (text) -> database alias holding it (workflow_delivery.routing).

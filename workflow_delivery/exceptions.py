@@ -24,6 +24,15 @@ class ProtocolError(WorkflowDeliveryError, ValueError):
         super().__init__(f"{field}: {message}")
 
 
+class MessageTooLarge(ProtocolError):
+    """A message over one of its bounds: ``setting`` names the
+    ``WORKFLOW_DELIVERY_*`` setting, ``limit`` its value, ``size`` what was given."""
+
+    def __init__(self, field: str, setting: str, limit: int, size: int, unit: str) -> None:
+        self.setting, self.limit, self.size = setting, limit, size
+        super().__init__(field, f"{size} {unit}, over the limit of {limit} ({setting})")
+
+
 class InvalidLeaseSeconds(ProtocolError):
     """A lease length that is not a positive whole number within the configured maximum."""
 

@@ -23,6 +23,7 @@ deliveries are (``prune_deliveries`` removes settled ones after their retention)
 
 from __future__ import annotations
 
+import json
 import uuid
 from collections.abc import Iterable
 from datetime import datetime
@@ -32,7 +33,13 @@ from uuid import UUID
 from django.contrib.postgres.functions import TransactionNow
 from django.db import DEFAULT_DB_ALIAS
 
-from ..exceptions import CommunityNotFound, IdempotencyConflict, ProtocolError
+from ..conf import app_settings
+from ..exceptions import (
+    CommunityNotFound,
+    IdempotencyConflict,
+    MessageTooLarge,
+    ProtocolError,
+)
 from ..keys import event_id as nip01_event_id
 from ..models import Community, Event, Workflow, WorkflowAgentDelivery, WorkflowRun
 from ..protocol import (
@@ -148,6 +155,47 @@ def _tags(value: object) -> Tags:
                 "tags",
                 f"tag {index} carries {MESSAGE_V1_MARKER!r}: the targets name the addressees",
             )
+    return tags
+
+
+def _encoded_size(value: object) -> int:
+    """Bytes of ``value`` as stored: UTF-8 text, or a JSON value's compact encoding."""
+    if isinstance(value, str):
+        return len(value.encode("utf-8"))
+    return len(json.dumps(value, separators=(",", ":"), ensure_ascii=False).encode("utf-8"))
+
+
+def _bounded(request: dict[str, Any]) -> dict[str, Any]:
+    """``request`` when its content and tags are within the settings' bounds; else
+    ``MessageTooLarge`` naming the bound."""
+    content, tags = request["content"], request["tags"]
+    if content is not None:
+        limit = app_settings.MAX_MESSAGE_CONTENT_BYTES
+        size = _encoded_size(content)
+        if size > limit:
+            setting = "WORKFLOW_DELIVERY_MAX_MESSAGE_CONTENT_BYTES"
+            raise MessageTooLarge("content", setting, limit, size, "bytes")
+    limit = app_settings.MAX_MESSAGE_TAGS
+    if len(tags) > limit:
+        raise MessageTooLarge(
+            "tags", "WORKFLOW_DELIVERY_MAX_MESSAGE_TAGS", limit, len(tags), "tags"
+        )
+    limit = app_settings.MAX_MESSAGE_TAGS_BYTES
+    size = _encoded_size(tags)
+    if size > limit:
+        raise MessageTooLarge(
+            "tags", "WORKFLOW_DELIVERY_MAX_MESSAGE_TAGS_BYTES", limit, size, "bytes"
+        )
+    return request
+
+
+def _few_enough(tags: object) -> object:
+    """``tags`` unchanged, unless a list of them is over the count before each is read."""
+    limit = app_settings.MAX_MESSAGE_TAGS
+    if isinstance(tags, list | tuple) and len(tags) > limit:
+        raise MessageTooLarge(
+            "tags", "WORKFLOW_DELIVERY_MAX_MESSAGE_TAGS", limit, len(tags), "tags"
+        )
     return tags
 
 
@@ -410,10 +458,11 @@ def send_message(
         "targets": _targets(targets),
         "content": content,
         "kind": _kind(kind),
-        "tags": _tags(tags),
+        "tags": _tags(_few_enough(tags)),
         "sender": UNSIGNED_SENDER if sender is None else _public_key("sender", sender),
         "message_event_id": given_event,
     }
+    _bounded(request)
     definition = _optional_bytes32("definition_event_id", definition_event_id)
     cause = _cause(cause)
     run = run_id_for(community_id, key) if run_id is None else as_uuid("run_id", run_id)
