@@ -12,6 +12,8 @@ import asyncio
 import dataclasses
 import http.client
 import json
+import select
+import socket
 import threading
 import time
 import uuid
@@ -156,6 +158,83 @@ def send_signed(server: str, key: bytes, body: bytes) -> tuple[int, str]:
         return response.status, json.loads(response.read())["error"]
     finally:
         conn.close()
+
+
+# -- an over-size body, read no further than its limit ----------------------------------
+
+
+def raw_post(server: str, path: str, headers: list[str], body_chunks=()) -> tuple[int, bytes]:
+    """POST over a raw socket: the head, then each chunk until the server answers;
+    then the answer's status and body as the server sent them (up to its closing the
+    connection, or 10 s)."""
+    port = int(server.rsplit(":", 1)[1])
+    head = "\r\n".join([f"POST {path} HTTP/1.1", f"Host: localhost:{port}", *headers, "", ""])
+    answer = b""
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+        sock.sendall(head.encode())
+        for chunk in body_chunks:
+            if select.select([sock], [], [], 0)[0]:
+                break  # answered: what is left is never sent
+            try:
+                sock.sendall(chunk)
+            except OSError:
+                break  # answered and closed
+        while not _complete(answer):
+            try:
+                data = sock.recv(65536)
+            except ConnectionResetError:
+                break  # the server closed with bytes of ours unread; its answer came first
+            if not data:
+                break
+            answer += data
+    status_line, _, rest = answer.partition(b"\r\n")
+    return int(status_line.split()[1]), rest.partition(b"\r\n\r\n")[2]
+
+
+def _complete(answer: bytes) -> bool:
+    head, _, body = answer.partition(b"\r\n\r\n")
+    for line in head.split(b"\r\n")[1:]:
+        name, _, value = line.partition(b":")
+        if name.strip().lower() == b"content-length":
+            return len(body) >= int(value)
+    return False
+
+
+def chunked(size: int, chunk: int = 16384):
+    """``size`` bytes as HTTP/1.1 chunks, with no last chunk: the body never ends."""
+    for _ in range(size // chunk):
+        yield b"%x\r\n" % chunk + b"x" * chunk + b"\r\n"
+
+
+@pytest.mark.parametrize("path", ["/agents/v1/claim", "/admin/login/", "/no/such/path"])
+def test_a_declared_length_over_the_limit_is_refused_before_any_body_is_sent(server, path):
+    """256 MiB declared and none of it sent: only a server that reads nothing answers."""
+    status, body = raw_post(server, path, ["Content-Length: 268435456"])
+    assert status == 413
+    assert json.loads(body)["error"] == "body_too_large"
+
+
+@pytest.mark.parametrize("path", ["/agents/v1/claim", "/admin/login/"])
+def test_a_chunked_body_is_refused_once_it_passes_the_limit(server, path):
+    """A body with no length that never ends: the server stops reading at the limit
+    (64 KiB on the agent API, Django's 2.5 MiB elsewhere) and answers."""
+    status, body = raw_post(server, path, ["Transfer-Encoding: chunked"], chunked(4 * 1024 * 1024))
+    assert status == 413
+    assert json.loads(body)["error"] == "body_too_large"
+
+
+def test_a_body_within_the_limit_is_read_whole(server):
+    """Chunked and just under the limit: read, and refused only for its signature."""
+    document = b'{"lease_seconds": 30,' + b" " * 65000 + b"}"
+    chunks = [b"%x\r\n" % len(document) + document + b"\r\n", b"0\r\n\r\n"]
+    status, body = raw_post(server, "/agents/v1/claim", ["Transfer-Encoding: chunked"], chunks)
+    assert (status, json.loads(body)["error"]) == (401, "auth_missing")
+
+
+@pytest.mark.parametrize("limit", [-1, True, 1.5, "64k"])
+def test_the_handler_refuses_a_body_limit_that_is_not_a_whole_number(limit):
+    with pytest.raises(ValueError, match="max_body_bytes must be None or a whole number"):
+        PooledThreadsHandler(1, limit)
 
 
 @pytest.mark.parametrize("threads", [0, -1, True, 1.5])

@@ -27,23 +27,52 @@ their synchronous mode, the view, and for an answer that is not streamed
 event loop. Django's own path would move between the loop and the thread three
 times for such a request. An asynchronous view (``wait``), or a path that resolves
 to nothing, takes Django's path.
+
+A body is read only up to its limit: ``WORKFLOW_DELIVERY_API_MAX_BODY_BYTES`` on the
+agent API's paths, ``max_body_bytes`` on every other (by default Django's
+``DATA_UPLOAD_MAX_MEMORY_SIZE``; ``None``: no limit, for a project that takes large
+uploads). A request declaring a longer ``Content-Length`` is answered 413
+(``body_too_large``) before any of its body is read, and a body sent without one
+(chunked) is answered so as soon as it passes the limit, the rest left unread.
 """
 
 from __future__ import annotations
 
+import json
+import tempfile
 import threading
 from concurrent.futures import ThreadPoolExecutor
+from contextvars import ContextVar
 
 import django
 from asgiref.sync import ThreadSensitiveContext, iscoroutinefunction, sync_to_async
+from django.conf import settings
 from django.core import signals
 from django.core.exceptions import RequestAborted
 from django.core.handlers.asgi import ASGIHandler, get_script_prefix
 from django.core.handlers.base import BaseHandler
-from django.http import HttpResponseBase
+from django.http import HttpResponse, HttpResponseBase
 from django.urls import Resolver404, get_resolver, set_script_prefix
 
+from ..conf import app_settings
+
 _pooled = threading.local()
+
+# The agent API's URL namespace and its docs page (api.views, api.urls).
+_API_NAMESPACE = "workflow_delivery_api"
+_API_URL_NAMES = frozenset({"workflow_delivery_api_docs"})
+
+# The body limit of the request being read (None: none), for Django's own path.
+_BODY_LIMIT: ContextVar[int | None] = ContextVar("workflow_delivery_body_limit", default=None)
+_UNSET = object()
+
+
+class _BodyTooLarge(Exception):
+    """A body passed its limit while being read; ``limit`` is that limit."""
+
+    def __init__(self, limit: int) -> None:
+        super().__init__(limit)
+        self.limit = limit
 
 
 def on_pooled_thread() -> bool:
@@ -74,9 +103,22 @@ class PooledThreadsHandler(ASGIHandler):
     """``ASGIHandler`` whose requests run their synchronous code on ``threads``
     long-lived threads, each request on the one with the fewest requests in flight."""
 
-    def __init__(self, threads: int = 4) -> None:
+    def __init__(self, threads: int = 4, max_body_bytes: int | object | None = _UNSET) -> None:
         if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
             raise ValueError(f"threads must be a positive whole number, not {threads!r}")
+        if (
+            max_body_bytes is not _UNSET
+            and max_body_bytes is not None
+            and (
+                isinstance(max_body_bytes, bool)
+                or not isinstance(max_body_bytes, int)
+                or max_body_bytes < 0
+            )
+        ):
+            raise ValueError(
+                f"max_body_bytes must be None or a whole number from 0, not {max_body_bytes!r}"
+            )
+        self._max_body_bytes = max_body_bytes
         super().__init__()
         # One worker each: a request's synchronous calls must all run on one thread.
         self._executors = [
@@ -103,18 +145,29 @@ class PooledThreadsHandler(ASGIHandler):
         else:
             context = ThreadSensitiveContext()
         try:
-            async with context:
-                if self._synchronous_view(scope):
-                    await self._handle_in_one_call(scope, receive, send)
-                else:
-                    await self.handle(scope, receive, send)
+            synchronous, limit = self._route(scope)
+            if limit is not None and _declared_length(scope) > limit:
+                # Refused on its headers: none of the body is read.
+                await self._refuse_body(send, limit)
+                return
+            token = _BODY_LIMIT.set(limit)
+            try:
+                async with context:
+                    if synchronous:
+                        await self._handle_in_one_call(scope, receive, send)
+                    else:
+                        await self.handle(scope, receive, send)
+            except _BodyTooLarge as exc:
+                await self._refuse_body(send, exc.limit)
+            finally:
+                _BODY_LIMIT.reset(token)
         finally:
             self._in_flight[index] -= 1
 
-    @staticmethod
-    def _synchronous_view(scope) -> bool:
-        """Whether the path names a synchronous view of the root URLconf. Only the
-        number of thread hops depends on it: either path serves any view."""
+    def _route(self, scope) -> tuple[bool, int | None]:
+        """Whether the path names a synchronous view of the root URLconf (only the
+        number of thread hops depends on it: either path serves any view), and the
+        longest body it takes."""
         script_name = scope.get("root_path", "")
         path = scope["path"]
         if script_name and path.startswith(script_name):
@@ -122,8 +175,50 @@ class PooledThreadsHandler(ASGIHandler):
         try:
             match = get_resolver().resolve(path)
         except Resolver404:
-            return False
-        return not iscoroutinefunction(match.func)
+            return False, self._other_limit()
+        if _API_NAMESPACE in match.namespaces or match.url_name in _API_URL_NAMES:
+            limit = app_settings.API_MAX_BODY_BYTES
+        else:
+            limit = self._other_limit()
+        return not iscoroutinefunction(match.func), limit
+
+    def _other_limit(self) -> int | None:
+        if self._max_body_bytes is _UNSET:
+            return settings.DATA_UPLOAD_MAX_MEMORY_SIZE
+        return self._max_body_bytes  # type: ignore[return-value]
+
+    async def _refuse_body(self, send, limit: int) -> None:
+        document = {"error": "body_too_large", "detail": f"the body must be at most {limit} bytes"}
+        response = HttpResponse(json.dumps(document), status=413, content_type="application/json")
+        response["Content-Length"] = str(len(response.content))
+        # The rest of the body is never read: the connection cannot carry another request.
+        response["Connection"] = "close"
+        await self.send_response(response, send)
+
+    async def read_body(self, receive):
+        """Django's, stopped with ``_BodyTooLarge`` as soon as the body passes the
+        request's limit."""
+        limit = _BODY_LIMIT.get()
+        # Handed to the caller open, as Django's is (closed with the request).
+        body_file = tempfile.SpooledTemporaryFile(  # noqa: SIM115
+            max_size=settings.FILE_UPLOAD_MAX_MEMORY_SIZE, mode="w+b"
+        )
+        received = 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                body_file.close()
+                raise RequestAborted()
+            if "body" in message:
+                received += len(message["body"])
+                if limit is not None and received > limit:
+                    body_file.close()
+                    raise _BodyTooLarge(limit)
+                body_file.write(message["body"])
+            if not message.get("more_body", False):
+                break
+        body_file.seek(0)
+        return body_file
 
     async def _handle_in_one_call(self, scope, receive, send) -> None:
         try:
@@ -154,7 +249,21 @@ class PooledThreadsHandler(ASGIHandler):
         return response
 
 
-def get_asgi_application(threads: int = 4) -> PooledThreadsHandler:
+def get_asgi_application(
+    threads: int = 4, max_body_bytes: int | object | None = _UNSET
+) -> PooledThreadsHandler:
     """Django's ``get_asgi_application()`` with a ``PooledThreadsHandler``."""
     django.setup(set_prefix=False)
-    return PooledThreadsHandler(threads)
+    return PooledThreadsHandler(threads, max_body_bytes)
+
+
+def _declared_length(scope) -> int:
+    """The request's ``Content-Length`` (0 when it has none or it is not a number:
+    the body is then measured as it is read)."""
+    for name, value in scope.get("headers", ()):
+        if name.lower() == b"content-length":
+            try:
+                return int(value)
+            except ValueError:
+                return 0
+    return 0
