@@ -438,12 +438,15 @@ class RequestAdmission:
     (None when none), whether its ``created_at`` is fresh, whether its event id was
     recorded now (False when it was already used, in any community, and for a key
     that is not an enabled agent), and where the signing key stands in the
-    community's roster (None: not enrolled, or no community)."""
+    community's roster (None: not enrolled, or no community). ``deleting``: the
+    community's deletion executor holds its deletion lock, so nothing was looked up
+    or recorded."""
 
     community_id: UUID | None
     fresh: bool
     recorded: bool
     standing: AgentStanding | None = None
+    deleting: bool = False
 
 
 @dataclass(frozen=True, slots=True)

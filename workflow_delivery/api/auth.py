@@ -28,11 +28,19 @@ logger = logging.getLogger(__name__)
 class ApiError(Exception):
     """An answer other than a result: HTTP ``status``, stable ``code``, ``detail``."""
 
-    def __init__(self, status: int, code: str, detail: str, field: str | None = None) -> None:
+    def __init__(
+        self,
+        status: int,
+        code: str,
+        detail: str,
+        field: str | None = None,
+        retry_after: int | None = None,
+    ) -> None:
         self.status = status
         self.code = code
         self.detail = detail
         self.field = field
+        self.retry_after = retry_after
         super().__init__(f"{code}: {detail}")
 
 
@@ -113,10 +121,21 @@ def admit(host: str, event: nip98.SignedEvent, pubkey: bytes) -> UUID:
     return admitted(host, pubkey, admission)
 
 
+# Seconds a request of a community being deleted is told to wait (Retry-After).
+COMMUNITY_DELETING_RETRY_AFTER = 5
+
+
 def admitted(host: str, pubkey: bytes, admission: RequestAdmission) -> UUID:
     """The admission's community, or the refusal it calls for."""
     if admission.community_id is None:
         raise ApiError(404, "unknown_community", f"no community is served at host {host!r}")
+    if admission.deleting:
+        raise ApiError(
+            503,
+            "community_deleting",
+            "the community is being deleted; try again later",
+            retry_after=COMMUNITY_DELETING_RETRY_AFTER,
+        )
     if not admission.fresh:
         skew = app_settings.API_MAX_CLOCK_SKEW_SECONDS
         raise AgentAuthRefused(

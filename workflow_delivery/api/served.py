@@ -103,11 +103,13 @@ def _run(
             raise _Refused from exc
         raise
     community_id, fresh, recorded, standing = answer[0][:_ADMISSION]
+    deleting = standing == statements.ADMISSION_DELETING
     found = RequestAdmission(
         community_id=community_id,
         fresh=bool(fresh),
         recorded=bool(recorded),
-        standing=None if standing is None else AgentStanding(standing),
+        standing=None if standing is None or deleting else AgentStanding(standing),
+        deleting=deleting,
     )
     return admitted(signed.host, signed.pubkey, found), answer
 

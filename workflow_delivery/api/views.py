@@ -86,7 +86,7 @@ api = _DocumentedOnce(
     auth=NostrAuth(),
 )
 
-ERRORS = {code: schema.ErrorOut for code in (400, 401, 404, 409, 413)}
+ERRORS = {code: schema.ErrorOut for code in (400, 401, 404, 409, 413, 503)}
 
 
 def error(
@@ -100,7 +100,10 @@ def error(
 
 @api.exception_handler(ApiError)
 def _api_error(request: HttpRequest, exc: ApiError) -> HttpResponse:
-    return error(request, exc.status, exc.code, exc.detail, exc.field)
+    response = error(request, exc.status, exc.code, exc.detail, exc.field)
+    if exc.retry_after is not None:
+        response["Retry-After"] = str(exc.retry_after)
+    return response
 
 
 @api.exception_handler(AgentAuthRefused)

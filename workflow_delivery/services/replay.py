@@ -78,11 +78,13 @@ def admit_request_event(
     ((community_id, fresh, recorded, standing),) = run.fetch(
         using, statements.ADMIT_REQUEST_EVENT, params, savepoint=False
     )
+    deleting = standing == statements.ADMISSION_DELETING
     return RequestAdmission(
         community_id=community_id,
         fresh=bool(fresh),
         recorded=bool(recorded),
-        standing=None if standing is None else AgentStanding(standing),
+        standing=None if standing is None or deleting else AgentStanding(standing),
+        deleting=deleting,
     )
 
 

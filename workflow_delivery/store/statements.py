@@ -842,17 +842,27 @@ SELECT clock.fresh, EXISTS (SELECT 1 FROM recorded) FROM clock
 # the freshness and the replay guard, in one round trip. The standing is read under
 # the roster's shared lock (wd_agent_standing, migration 0016), held to the end of
 # the request's transaction, so a revocation waits for the key's requests in flight.
-# Only an enabled agent's fresh event is recorded. Answers (community id or NULL,
-# fresh, recorded, standing or NULL); an unknown host records nothing.
+# The community's shared deletion lock is only tried, never waited for: while its
+# deletion executor holds the exclusive lock (or waits for it), the standing is
+# ``ADMISSION_DELETING`` and nothing is recorded, so a request of a community being
+# deleted holds no server thread. Only an enabled agent's fresh event is recorded.
+# Answers (community id or NULL, fresh, recorded, standing or ADMISSION_DELETING or
+# NULL); an unknown host records nothing.
 # Parameters: ``created_at``, ``skew`` (the freshness window), ``host``, ``pubkey``,
 # ``event_id``.
+ADMISSION_DELETING = "deleting"
 _ADMISSION_CTES = f"""
 WITH clock AS (
     SELECT abs(extract(epoch FROM now()) - %(created_at)s::bigint) <= %(skew)s::bigint AS fresh
 ), community AS (
     SELECT id FROM {COMMUNITIES} WHERE lower(host) = lower(%(host)s::text)
+), gate AS MATERIALIZED (
+    SELECT id, pg_try_advisory_xact_lock_shared({DELETION_KEY.format(column="id")}) AS open
+      FROM community
 ), agent AS MATERIALIZED (
-    SELECT wd_agent_standing(community.id, %(pubkey)s::bytea) AS standing FROM community
+    SELECT CASE WHEN gate.open THEN wd_agent_standing(gate.id, %(pubkey)s::bytea)
+                ELSE '{ADMISSION_DELETING}' END AS standing
+      FROM gate
 ), recorded AS (
     INSERT INTO {REPLAYS} (community_id, event_id, event_created_at)
     SELECT community.id, %(event_id)s::bytea, to_timestamp(%(created_at)s::bigint)
