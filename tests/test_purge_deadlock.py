@@ -193,7 +193,8 @@ def test_a_writer_arriving_during_a_purge_waits_for_it_without_deadlock(elsewher
             assert go.wait(30)
             with connection.cursor() as cursor:
                 for table, purge in sql.PURGE:
-                    cursor.execute(purge.sql, purge.args({"community_id": str(step.community.id)}))
+                    params = {"community_id": str(step.community.id), "limit": 1000}
+                    cursor.execute(purge.sql, purge.args(params))
                     deleted[table] = cursor.rowcount
         return deleted
 

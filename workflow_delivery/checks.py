@@ -101,6 +101,7 @@ def check_settings(app_configs: Any = None, **kwargs: Any) -> list:
         "MAX_LEASE_SECONDS",
         "REAP_BATCH_SIZE",
         "PRUNE_BATCH_SIZE",
+        "PURGE_BATCH_SIZE",
         "MAX_MESSAGE_CONTENT_BYTES",
         "MAX_MESSAGE_TAGS",
         "MAX_MESSAGE_TAGS_BYTES",

@@ -51,6 +51,9 @@ DEFAULTS: dict[str, Any] = {
     # The same rest for retention: shorter than the reaper's, as pruning runs on a
     # schedule rather than to clear an outage's backlog.
     "PRUNE_YIELD_RATIO": 1.0,
+    # Rows one transaction of a community's purge deletes at most: the exclusive
+    # deletion lock is held for one such batch at a time.
+    "PURGE_BATCH_SIZE": 2000,
     # send_message's bounds on a new message: its content's encoded size (UTF-8; a JSON
     # value's compact encoding), the number of the caller's tags, and their encoded
     # size (UTF-8 of their compact JSON), each checked before anything is stored.

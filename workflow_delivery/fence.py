@@ -12,12 +12,13 @@ the settings itself is still refused.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from uuid import UUID
 
 from django.db import DEFAULT_DB_ALIAS, DatabaseError, OperationalError, connections, transaction
 
+from .conf import app_settings
 from .exceptions import (
     CommunityNotFound,
     ExecutorNotAuthorized,
@@ -146,37 +147,66 @@ PURGE_ATTEMPTS = 3
 
 
 def purge_community(
-    community_id: UUID | str, generation: int, *, using: str = DEFAULT_DB_ALIAS
+    community_id: UUID | str,
+    generation: int,
+    *,
+    batch_size: int | None = None,
+    progress: Callable[[dict[str, int]], None] | None = None,
+    using: str = DEFAULT_DB_ALIAS,
 ) -> dict[str, int]:
     """Delete every tenant row of a community that is not active, as the executor.
     Returns the number of rows deleted per table.
 
+    The rows go in batches of at most ``batch_size`` (``WORKFLOW_DELIVERY_PURGE_BATCH_SIZE``),
+    each in a transaction of its own that holds the community's exclusive deletion
+    lock only while it deletes them: between two, the lock is free, and the
+    community's requests and lifecycle wait for one batch at most. ``progress`` is
+    called after each batch with the totals so far. A purge interrupted midway
+    keeps the batches it committed; called again, it deletes what is left. Inside
+    the caller's transaction the batches are part of it (and the lock held to its
+    end).
+
     The app's own writers take the community's deletion lock before its rows, as the
     purge does, so they never deadlock with it. A writer outside the app (raw SQL, an
-    ORM write of a run) takes a row first and the lock in the fence trigger; a purge
+    ORM write of a run) takes a row first and the lock in the fence trigger; a batch
     that deadlock detection chose as the victim rolls back and, in a transaction of
     its own, tries again, up to ``PURGE_ATTEMPTS`` times in all. A purge inside the
     caller's transaction cannot try again. Either way the caller gets
     ``PurgeDeadlocked``, never the driver's error."""
     community_id = as_uuid("community_id", community_id)
+    size = app_settings.PURGE_BATCH_SIZE if batch_size is None else batch_size
+    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+        raise ProtocolError("batch_size", f"must be a positive whole number, not {size!r}")
     attempts = 1 if connections[using].in_atomic_block else PURGE_ATTEMPTS
-    attempt = 0
+    deleted = {table: 0 for table, _ in statements.PURGE}
     while True:
-        attempt += 1
-        try:
-            return _purge(community_id, generation, using)
-        except OperationalError as exc:
-            if sqlstate(exc) != "40P01":  # deadlock_detected
-                raise
-            if attempt >= attempts:
-                raise PurgeDeadlocked(
-                    f"community {community_id}: the purge was a deadlock's victim "
-                    f"{attempt} time(s); nothing was deleted"
-                ) from exc
+        attempt = 0
+        while True:
+            attempt += 1
+            try:
+                batch = _purge_batch(community_id, generation, size, using)
+                break
+            except OperationalError as exc:
+                if sqlstate(exc) != "40P01":  # deadlock_detected
+                    raise
+                if attempt >= attempts:
+                    raise PurgeDeadlocked(
+                        f"community {community_id}: a batch of the purge was a deadlock's "
+                        f"victim {attempt} time(s); the batches before it are deleted"
+                    ) from exc
+        for table, count in batch.items():
+            deleted[table] += count
+        if not any(batch.values()):
+            return deleted
+        if progress is not None:
+            progress(dict(deleted))
 
 
-def _purge(community_id: UUID, generation: int, using: str) -> dict[str, int]:
+def _purge_batch(community_id: UUID, generation: int, size: int, using: str) -> dict[str, int]:
+    """At most ``size`` of the community's rows, deleted in one transaction of the
+    executor: each table's in turn, a table only once those before it are empty."""
     deleted: dict[str, int] = {}
+    budget = size
     with executor_writes(community_id, generation, using=using) as state:
         if state == DeletionState.ACTIVE:
             raise InvalidLifecycleTransition(
@@ -184,8 +214,14 @@ def _purge(community_id: UUID, generation: int, using: str) -> dict[str, int]:
             )
         with connections[using].cursor() as cursor:
             for table, purge in statements.PURGE:
-                run.execute(cursor, purge, {"community_id": str(community_id)})
+                if budget == 0:
+                    break
+                run.execute(cursor, purge, {"community_id": str(community_id), "limit": budget})
                 deleted[table] = cursor.rowcount
+                if cursor.rowcount == budget:
+                    # The table may hold more: the next batch starts over from the first.
+                    break
+                budget -= cursor.rowcount
     return deleted
 
 

@@ -802,9 +802,16 @@ WITHDRAW_EXECUTOR = Statement("SELECT wd_withdraw_executor()")
 CURRENT_ROLE = Statement("SELECT current_user")
 
 # The purge of one community's rows, table by table, children first, so no foreign
-# key refuses it.
+# key refuses it: each statement deletes at most ``limit`` rows of its table, so one
+# transaction of the executor (which holds the exclusive deletion lock) stays short.
 PURGE = [
-    (table, Statement(f"DELETE FROM {_q(table)} WHERE community_id = %(community_id)s"))
+    (
+        table,
+        Statement(
+            f"DELETE FROM {_q(table)} WHERE ctid = ANY (ARRAY(SELECT ctid FROM {_q(table)} "
+            "WHERE community_id = %(community_id)s LIMIT %(limit)s))"
+        ),
+    )
     for table in [
         CommunityAgent._meta.db_table,
         IdleWakeTarget._meta.db_table,
