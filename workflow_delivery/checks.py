@@ -37,6 +37,10 @@ E006_MSG = (
     "lease the app hands out: a lease end must stay far inside PostgreSQL's timestamp range."
 )
 E008_MSG = "WORKFLOW_DELIVERY_MAX_ATTEMPTS must be None or a positive whole number, got {value!r}."
+E022_MSG = (
+    "WORKFLOW_DELIVERY_API_MAX_IN_FLIGHT_PER_COMMUNITY must be None or a positive whole "
+    "number, got {value!r}."
+)
 E009_MSG = (
     "WORKFLOW_DELIVERY_RETENTION must be a duration such as 30d, 12h, 15m or 90s, got {value!r}."
 )
@@ -139,6 +143,9 @@ def check_settings(app_configs: Any = None, **kwargs: Any) -> list:
     cap = app_settings.MAX_ATTEMPTS
     if cap is not None and not _positive_int(cap):
         errors.append(checks.Error(E008_MSG.format(value=cap), id="workflow_delivery.E008"))
+    bound = app_settings.API_MAX_IN_FLIGHT_PER_COMMUNITY
+    if bound is not None and not _positive_int(bound):
+        errors.append(checks.Error(E022_MSG.format(value=bound), id="workflow_delivery.E022"))
     backoff = {}
     for name in ("RETRY_BACKOFF_SECONDS", "RETRY_BACKOFF_MAX_SECONDS"):
         value = backoff[name] = getattr(app_settings, name)

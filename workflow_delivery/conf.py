@@ -29,6 +29,9 @@ DEFAULTS: dict[str, Any] = {
     "API_MAX_BODY_BYTES": 65536,
     "API_MAX_WAIT_SECONDS": 60,
     "API_MAX_WAITERS": 1000,
+    # The agent API's synchronous requests one community may have in flight in a
+    # process served by api.asgi's handler; None: one less than its threads (at least 1).
+    "API_MAX_IN_FLIGHT_PER_COMMUNITY": None,
     "API_REPLAY_PRUNE_INTERVAL_SECONDS": 60.0,
     # With NOTIFY off, a ``wait`` looks for the caller's pending deliveries this often.
     "API_WAIT_POLL_SECONDS": 2.0,

@@ -28,6 +28,12 @@ event loop. Django's own path would move between the loop and the thread three
 times for such a request. An asynchronous view (``wait``), or a path that resolves
 to nothing, takes Django's path.
 
+No one community holds every thread: the agent API's synchronous requests in flight
+for one host (one community) are bounded by
+``WORKFLOW_DELIVERY_API_MAX_IN_FLIGHT_PER_COMMUNITY`` (by default one less than the
+threads, at least one); a request over it is answered 503 (``community_busy``, with
+``Retry-After``) without taking a thread.
+
 A body is read only up to its limit: ``WORKFLOW_DELIVERY_API_MAX_BODY_BYTES`` on the
 agent API's paths, ``max_body_bytes`` on every other (by default Django's
 ``DATA_UPLOAD_MAX_MEMORY_SIZE``; ``None``: no limit, for a project that takes large
@@ -128,6 +134,8 @@ class PooledThreadsHandler(ASGIHandler):
             for index in range(threads)
         ]
         self._in_flight = [0] * threads
+        # The agent API's synchronous requests in flight per host (the event loop's).
+        self._per_host: dict[str, int] = {}
         # The same middleware in their synchronous mode, for synchronous views.
         self._sync = BaseHandler()
         self._sync.load_middleware(is_async=False)
@@ -144,12 +152,26 @@ class PooledThreadsHandler(ASGIHandler):
             context = ThreadSensitiveContext(executor=self._executors[index])
         else:
             context = ThreadSensitiveContext()
+        host = None
         try:
-            synchronous, limit = self._route(scope)
+            synchronous, limit, api = self._route(scope)
             if limit is not None and _declared_length(scope) > limit:
                 # Refused on its headers: none of the body is read.
                 await self._refuse_body(send, limit)
                 return
+            if api and synchronous:
+                host = _host(scope)
+                if self._per_host.get(host, 0) >= self._host_bound():
+                    await self._refuse(
+                        send,
+                        503,
+                        "community_busy",
+                        "too many requests of this community are in flight; try again shortly",
+                        retry_after=1,
+                    )
+                    host = None
+                    return
+                self._per_host[host] = self._per_host.get(host, 0) + 1
             token = _BODY_LIMIT.set(limit)
             try:
                 async with context:
@@ -163,11 +185,23 @@ class PooledThreadsHandler(ASGIHandler):
                 _BODY_LIMIT.reset(token)
         finally:
             self._in_flight[index] -= 1
+            if host is not None:
+                left = self._per_host[host] - 1
+                if left:
+                    self._per_host[host] = left
+                else:
+                    del self._per_host[host]
 
-    def _route(self, scope) -> tuple[bool, int | None]:
+    def _host_bound(self) -> int:
+        bound = app_settings.API_MAX_IN_FLIGHT_PER_COMMUNITY
+        if bound is None:
+            return max(1, len(self._executors) - 1)
+        return bound
+
+    def _route(self, scope) -> tuple[bool, int | None, bool]:
         """Whether the path names a synchronous view of the root URLconf (only the
-        number of thread hops depends on it: either path serves any view), and the
-        longest body it takes."""
+        number of thread hops depends on it: either path serves any view), the
+        longest body it takes, and whether it is the agent API's."""
         script_name = scope.get("root_path", "")
         path = scope["path"]
         if script_name and path.startswith(script_name):
@@ -175,12 +209,11 @@ class PooledThreadsHandler(ASGIHandler):
         try:
             match = get_resolver().resolve(path)
         except Resolver404:
-            return False, self._other_limit()
+            return False, self._other_limit(), False
+        synchronous = not iscoroutinefunction(match.func)
         if _API_NAMESPACE in match.namespaces or match.url_name in _API_URL_NAMES:
-            limit = app_settings.API_MAX_BODY_BYTES
-        else:
-            limit = self._other_limit()
-        return not iscoroutinefunction(match.func), limit
+            return synchronous, app_settings.API_MAX_BODY_BYTES, True
+        return synchronous, self._other_limit(), False
 
     def _other_limit(self) -> int | None:
         if self._max_body_bytes is _UNSET:
@@ -188,11 +221,28 @@ class PooledThreadsHandler(ASGIHandler):
         return self._max_body_bytes  # type: ignore[return-value]
 
     async def _refuse_body(self, send, limit: int) -> None:
-        document = {"error": "body_too_large", "detail": f"the body must be at most {limit} bytes"}
-        response = HttpResponse(json.dumps(document), status=413, content_type="application/json")
-        response["Content-Length"] = str(len(response.content))
         # The rest of the body is never read: the connection cannot carry another request.
-        response["Connection"] = "close"
+        detail = f"the body must be at most {limit} bytes"
+        await self._refuse(send, 413, "body_too_large", detail, close=True)
+
+    async def _refuse(
+        self,
+        send,
+        status: int,
+        code: str,
+        detail: str,
+        *,
+        retry_after: int | None = None,
+        close: bool = False,
+    ) -> None:
+        """The API's error document, answered from the event loop (no thread)."""
+        body = json.dumps({"error": code, "detail": detail})
+        response = HttpResponse(body, status=status, content_type="application/json")
+        response["Content-Length"] = str(len(response.content))
+        if retry_after is not None:
+            response["Retry-After"] = str(retry_after)
+        if close:
+            response["Connection"] = "close"
         await self.send_response(response, send)
 
     async def read_body(self, receive):
@@ -255,6 +305,15 @@ def get_asgi_application(
     """Django's ``get_asgi_application()`` with a ``PooledThreadsHandler``."""
     django.setup(set_prefix=False)
     return PooledThreadsHandler(threads, max_body_bytes)
+
+
+def _host(scope) -> str:
+    """The request's Host, as the community is found by it: no case, no port."""
+    for name, value in scope.get("headers", ()):
+        if name.lower() == b"host":
+            text = value.decode("latin-1").lower()
+            return text.rsplit(":", 1)[0] if not text.endswith("]") else text
+    return ""
 
 
 def _declared_length(scope) -> int:
