@@ -32,6 +32,8 @@ DEFAULTS: dict[str, Any] = {
     # The agent API's synchronous requests one community may have in flight in a
     # process served by api.asgi's handler; None: one less than its threads (at least 1).
     "API_MAX_IN_FLIGHT_PER_COMMUNITY": None,
+    # How long a request over that bound waits (on the event loop) before its 503.
+    "API_IN_FLIGHT_WAIT_SECONDS": 5.0,
     "API_REPLAY_PRUNE_INTERVAL_SECONDS": 60.0,
     # With NOTIFY off, a ``wait`` looks for the caller's pending deliveries this often.
     "API_WAIT_POLL_SECONDS": 2.0,

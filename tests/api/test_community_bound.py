@@ -1,7 +1,7 @@
 """Under the app's ASGI handler (uvicorn, two threads) no one community holds every
-thread: with one of its requests stuck in the database, its next request is answered
-503 ``community_busy`` at once, and another community's claim is served on the
-thread left free."""
+thread: with one of its requests stuck in the database, its next request waits on
+the event loop (half a second here) and is answered 503 ``community_busy``, and
+another community's claim is served on the thread left free."""
 
 from __future__ import annotations
 
@@ -29,7 +29,8 @@ pytestmark = [
 
 @pytest.fixture(scope="module")
 def server(django_db_setup, django_db_blocker):
-    with uvicorn_server(extra_env={"ASGI_THREADS": "2"}) as url:
+    env = {"ASGI_THREADS": "2", "WORKFLOW_DELIVERY_API_IN_FLIGHT_WAIT_SECONDS": "0.5"}
+    with uvicorn_server(extra_env=env) as url:
         yield url
 
 

@@ -31,8 +31,9 @@ to nothing, takes Django's path.
 No one community holds every thread: the agent API's synchronous requests in flight
 for one host (one community) are bounded by
 ``WORKFLOW_DELIVERY_API_MAX_IN_FLIGHT_PER_COMMUNITY`` (by default one less than the
-threads, at least one); a request over it is answered 503 (``community_busy``, with
-``Retry-After``) without taking a thread.
+threads, at least one); a request over it waits on the event loop, not on a thread,
+for one of them to finish, at most ``WORKFLOW_DELIVERY_API_IN_FLIGHT_WAIT_SECONDS``,
+and is then answered 503 (``community_busy``, with ``Retry-After``).
 
 A body is read only up to its limit: ``WORKFLOW_DELIVERY_API_MAX_BODY_BYTES`` on the
 agent API's paths, ``max_body_bytes`` on every other (by default Django's
@@ -44,6 +45,7 @@ uploads). A request declaring a longer ``Content-Length`` is answered 413
 
 from __future__ import annotations
 
+import asyncio
 import json
 import tempfile
 import threading
@@ -134,8 +136,9 @@ class PooledThreadsHandler(ASGIHandler):
             for index in range(threads)
         ]
         self._in_flight = [0] * threads
-        # The agent API's synchronous requests in flight per host (the event loop's).
-        self._per_host: dict[str, int] = {}
+        # Per host, the slots of the agent API's synchronous requests and how many
+        # requests hold or wait for one (the event loop's alone).
+        self._per_host: dict[str, list] = {}
         # The same middleware in their synchronous mode, for synchronous views.
         self._sync = BaseHandler()
         self._sync.load_middleware(is_async=False)
@@ -145,52 +148,64 @@ class PooledThreadsHandler(ASGIHandler):
             # Django's refusal of what is not HTTP.
             await super().__call__(scope, receive, send)
             return
-        # Only the event loop's thread reads and writes the counts.
+        synchronous, limit, api = self._route(scope)
+        if limit is not None and _declared_length(scope) > limit:
+            # Refused on its headers: none of the body is read.
+            await self._refuse_body(send, limit)
+            return
+        host = _host(scope) if api and synchronous else None
+        if host is not None and not await self._enter(host):
+            detail = "too many requests of this community are in flight; try again shortly"
+            await self._refuse(send, 503, "community_busy", detail, retry_after=1)
+            return
+        # Only the event loop's thread reads and writes the counts; the thread is
+        # chosen once the request may take one.
         index = min(range(len(self._in_flight)), key=self._in_flight.__getitem__)
         self._in_flight[index] += 1
         if POOLED_THREADS:
             context = ThreadSensitiveContext(executor=self._executors[index])
         else:
             context = ThreadSensitiveContext()
-        host = None
+        token = _BODY_LIMIT.set(limit)
         try:
-            synchronous, limit, api = self._route(scope)
-            if limit is not None and _declared_length(scope) > limit:
-                # Refused on its headers: none of the body is read.
-                await self._refuse_body(send, limit)
-                return
-            if api and synchronous:
-                host = _host(scope)
-                if self._per_host.get(host, 0) >= self._host_bound():
-                    await self._refuse(
-                        send,
-                        503,
-                        "community_busy",
-                        "too many requests of this community are in flight; try again shortly",
-                        retry_after=1,
-                    )
-                    host = None
-                    return
-                self._per_host[host] = self._per_host.get(host, 0) + 1
-            token = _BODY_LIMIT.set(limit)
-            try:
-                async with context:
-                    if synchronous:
-                        await self._handle_in_one_call(scope, receive, send)
-                    else:
-                        await self.handle(scope, receive, send)
-            except _BodyTooLarge as exc:
-                await self._refuse_body(send, exc.limit)
-            finally:
-                _BODY_LIMIT.reset(token)
+            async with context:
+                if synchronous:
+                    await self._handle_in_one_call(scope, receive, send)
+                else:
+                    await self.handle(scope, receive, send)
+        except _BodyTooLarge as exc:
+            await self._refuse_body(send, exc.limit)
         finally:
+            _BODY_LIMIT.reset(token)
             self._in_flight[index] -= 1
             if host is not None:
-                left = self._per_host[host] - 1
-                if left:
-                    self._per_host[host] = left
-                else:
-                    del self._per_host[host]
+                self._leave(host)
+
+    async def _enter(self, host: str) -> bool:
+        """Take one of the host's slots, waiting on the event loop (not on a thread)
+        at most ``WORKFLOW_DELIVERY_API_IN_FLIGHT_WAIT_SECONDS``; False when none freed."""
+        slots = self._per_host.get(host)
+        if slots is None:
+            slots = self._per_host[host] = [asyncio.Semaphore(self._host_bound()), 0]
+        slots[1] += 1
+        try:
+            await asyncio.wait_for(
+                slots[0].acquire(), timeout=app_settings.API_IN_FLIGHT_WAIT_SECONDS
+            )
+        except TimeoutError:
+            self._forget(host, slots)
+            return False
+        return True
+
+    def _leave(self, host: str) -> None:
+        slots = self._per_host[host]
+        slots[0].release()
+        self._forget(host, slots)
+
+    def _forget(self, host: str, slots: list) -> None:
+        slots[1] -= 1
+        if not slots[1]:
+            del self._per_host[host]
 
     def _host_bound(self) -> int:
         bound = app_settings.API_MAX_IN_FLIGHT_PER_COMMUNITY
