@@ -121,6 +121,37 @@ def test_the_same_key_again_returns_the_same_deliveries_and_stores_nothing():
     assert _counts() == (1, 1, 1, 2)
 
 
+@pytest.mark.parametrize(
+    "tags",
+    [
+        [["run", "my-pipeline", "stage-2"]],
+        [["subject", "x"], ["run", "a", "b"], ["run", "c", "d"]],
+        [["run", "same", "twice"], ["run", "same", "twice"]],
+    ],
+)
+def test_a_retry_with_run_tags_of_its_own_returns_the_stored_message(tags):
+    owner = factories.community()
+    targets = _agents(owner, 2)
+    first = _send(owner, targets, tags=tags)
+    again = _send(owner, targets, tags=[list(tag) for tag in tags])
+    assert again.created is False
+    assert again.message == first.message
+    assert _counts() == (1, 1, 1, 2)
+    with pytest.raises(IdempotencyConflict, match="tags"):
+        _send(owner, targets, tags=tags[:-1])
+    with pytest.raises(IdempotencyConflict, match="tags"):
+        _send(owner, targets, tags=[*tags, ["run", "one", "more"]])
+
+
+def test_a_retry_naming_the_derived_run_tag_itself_is_another_message():
+    owner = factories.community()
+    targets = _agents(owner, 1)
+    first = _send(owner, targets)
+    derived = ["run", str(first.run_id), first.step_id]
+    with pytest.raises(IdempotencyConflict, match="tags"):
+        _send(owner, targets, tags=[derived])
+
+
 def test_another_key_is_another_run_in_the_same_workflow():
     owner = factories.community()
     (target,) = _agents(owner, 1)

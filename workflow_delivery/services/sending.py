@@ -166,13 +166,12 @@ def _message_tags(targets: list[bytes], run_id: UUID, step_id: str, tags: Tags) 
     return [*addressed, ["run", str(run_id), step_id], *tags]
 
 
-def _own_tags(message: MessageEvent) -> Tags:
-    """The tags of a message that ``send_message`` did not derive from its targets and run."""
-    return [
-        tag
-        for tag in message.tags
-        if MESSAGE_V1_MARKER not in tag[1:] and not (tag[:1] == ["run"] and len(tag) == 3)
-    ]
+def _own_tags(message: MessageEvent, run_id: UUID, step_id: str) -> Tags:
+    """The caller's tags of a message ``send_message`` made: what follows its derived
+    run tag, the caller's own ``run`` tags included."""
+    derived = ["run", str(run_id), step_id]
+    tags = [tag for tag in message.tags if MESSAGE_V1_MARKER not in tag[1:]]
+    return tags[tags.index(derived) + 1 :] if derived in tags else tags
 
 
 def _records(community_id: UUID, run_id: UUID, step_id: str, using: str) -> list[DeliveryRecord]:
@@ -215,7 +214,9 @@ def _message(row: Any) -> MessageEvent:
     )
 
 
-def _differences(request: dict[str, Any], message: MessageEvent, targets: set[bytes]) -> list[str]:
+def _differences(
+    request: dict[str, Any], message: MessageEvent, targets: set[bytes], run_id: UUID, step_id: str
+) -> list[str]:
     found = []
     if targets != set(request["targets"]):
         found.append("targets")
@@ -229,7 +230,7 @@ def _differences(request: dict[str, Any], message: MessageEvent, targets: set[by
         found.append("kind")
     if message.pubkey != request["sender"]:
         found.append("sender")
-    if _own_tags(message) != request["tags"]:
+    if _own_tags(message, run_id, step_id) != request["tags"]:
         found.append("tags")
     return found
 
@@ -240,7 +241,7 @@ def _already_sent(
     records = _records(community_id, run_id, key, using)
     message = _message_of(community_id, records[0], using)
     differences = _differences(
-        request, message, {record.binding.target_pubkey for record in records}
+        request, message, {record.binding.target_pubkey for record in records}, run_id, key
     )
     if differences:
         raise IdempotencyConflict(
