@@ -4,9 +4,13 @@ of it per target, atomically and idempotently under a key the caller chooses.
 What a delivery refers to is made on first use, in the same transaction:
 
 * the **run**: ``uuid5(community, key)``, unless the caller names an existing run;
+  an id another community's row holds is passed over for the next one derived
+  (``run_id_for(community, key, 1)``, …), the first the community holds winning, so
+  a retry finds the run its first call made;
 * the **step**: the idempotency key itself (so a key is 1 to 64 characters);
-* the **workflow**: one per community, ``send_message``, with a deterministic id,
-  inserted once (``ON CONFLICT DO NOTHING``), unless the caller names one;
+* the **workflow**: one per community, ``send_message``, with a deterministic id
+  (derived in turn the same way), inserted once (``ON CONFLICT DO NOTHING``), unless
+  the caller names one;
 * the **message event** (kind 9 by default): its tags name each target
   (``["p", <hex>, "", "message-v1"]``), then ``["run", <run id>, <step>]`` so the
   message is found from its run, then the caller's tags. Its id is the NIP-01 id of
@@ -69,14 +73,47 @@ MAX_TARGETS = MAX_BATCH_SIZE
 MAX_KIND = 65535
 
 
-def workflow_id_for(community_id: UUID) -> UUID:
-    """The id of the community's ``send_message`` workflow."""
-    return uuid.uuid5(NAMESPACE, f"workflow/{community_id}")
+# Ids are global keys: the ids derived for a community, the first one onwards, are
+# tried in turn while another community's row holds them.
+DERIVED_IDS = 16
 
 
-def run_id_for(community_id: UUID, idempotency_key: str) -> UUID:
-    """The id of the run ``send_message`` makes for one idempotency key."""
-    return uuid.uuid5(NAMESPACE, f"run/{community_id}/{idempotency_key}")
+def workflow_id_for(community_id: UUID, attempt: int = 0) -> UUID:
+    """The id of the community's ``send_message`` workflow (its ``attempt``-th candidate)."""
+    suffix = f"\x00{attempt}" if attempt else ""
+    return uuid.uuid5(NAMESPACE, f"workflow/{community_id}{suffix}")
+
+
+def run_id_for(community_id: UUID, idempotency_key: str, attempt: int = 0) -> UUID:
+    """The id of the run ``send_message`` makes for one idempotency key (its
+    ``attempt``-th candidate; a key holds no NUL, so no two names meet)."""
+    suffix = f"\x00{attempt}" if attempt else ""
+    return uuid.uuid5(NAMESPACE, f"run/{community_id}/{idempotency_key}{suffix}")
+
+
+def _derived_id(
+    model: type[Workflow | WorkflowRun], community_id: UUID, candidates: list[UUID], using: str
+) -> UUID | None:
+    """The first candidate the community holds, else the first nobody holds, else None."""
+    holders = dict(
+        model.objects.using(using).filter(id__in=candidates).values_list("id", "community_id")
+    )
+    for candidate in candidates:
+        if holders.get(candidate) == community_id:
+            return candidate
+    return next((candidate for candidate in candidates if candidate not in holders), None)
+
+
+def _derived_run_id(community_id: UUID, key: str, using: str) -> UUID:
+    candidates = [run_id_for(community_id, key, attempt) for attempt in range(DERIVED_IDS)]
+    found = _derived_id(WorkflowRun, community_id, candidates, using)
+    if found is None:
+        raise IdempotencyConflict(
+            "idempotency_key",
+            f"every run id derived from {key!r} is another community's run; "
+            "send under another key, or name a run_id",
+        )
+    return found
 
 
 def _text(field: str, value: object) -> str:
@@ -282,7 +319,14 @@ def _workflow(community_id: UUID, workflow_id: UUID | None, using: str) -> UUID:
                 "workflow_id", f"no workflow {workflow_id} in community {community_id}"
             )
         return workflow_id
-    default = workflow_id_for(community_id)
+    candidates = [workflow_id_for(community_id, attempt) for attempt in range(DERIVED_IDS)]
+    default = _derived_id(Workflow, community_id, candidates, using)
+    if default is None:
+        raise ProtocolError(
+            "workflow_id",
+            f"every workflow id derived for community {community_id} is another "
+            "community's workflow; name a workflow_id",
+        )
     # Inserted by whichever first send gets there; a concurrent one waits on the key
     # and then does nothing.
     Workflow.objects.using(using).bulk_create(
@@ -297,6 +341,11 @@ def _workflow(community_id: UUID, workflow_id: UUID | None, using: str) -> UUID:
         ],
         ignore_conflicts=True,
     )
+    if not Workflow.objects.using(using).filter(community_id=community_id, id=default).exists():
+        raise ProtocolError(
+            "workflow_id",
+            f"workflow id {default} was taken by another community meanwhile; send again",
+        )
     return default
 
 
@@ -312,6 +361,11 @@ def _run(
             ignore_conflicts=True,
         )
     run = runs.only("id", "workflow_id", "definition_event_id").first()
+    if run is None and not given:
+        raise IdempotencyConflict(
+            "idempotency_key",
+            f"run id {run_id} was taken by another community meanwhile; send again",
+        )
     if run is None:
         raise ProtocolError("run_id", f"no run {run_id} in community {community_id}")
     if workflow_id is not None and run.workflow_id != workflow_id:
@@ -417,7 +471,7 @@ def send_message(
     }
     definition = _optional_bytes32("definition_event_id", definition_event_id)
     cause = _cause(cause)
-    run = run_id_for(community_id, key) if run_id is None else as_uuid("run_id", run_id)
+    run = _derived_run_id(community_id, key, using) if run_id is None else as_uuid("run_id", run_id)
     workflow = None if workflow_id is None else as_uuid("workflow_id", workflow_id)
 
     with delivery_identity(community_id, run, key, using=using) as identity:
