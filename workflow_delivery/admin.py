@@ -663,7 +663,9 @@ class DeliveryAdmin(ReadOnlyAdmin):
                     entry.generation,
                     entry.attempts,
                     entry.actor,
-                    _error(entry.error_type, entry.error_message, entry.error_traceback),
+                    f"reason: {entry.reason}"
+                    if entry.reason
+                    else _error(entry.error_type, entry.error_message, entry.error_traceback),
                 )
                 for entry in entries
             ),

@@ -4,7 +4,7 @@
 -- scripts/dump_schema from a freshly migrated database; tests/test_schema_sql.py
 -- fails when a migration changes the schema and this file does not follow.
 -- Read it to review; the migrations are what build it.
--- Migrations applied: 19, the last 0019_request_refusal.
+-- Migrations applied: 20, the last 0021_operator_retry.
 
 -- Tables
 
@@ -78,7 +78,8 @@ CREATE TABLE workflow_agent_deliveries (
     last_error_at timestamp with time zone,
     last_error_message text,
     last_error_type text,
-    last_claimed_at timestamp with time zone
+    last_claimed_at timestamp with time zone,
+    attempts_at_retry integer DEFAULT 0 NOT NULL
 );
 
 CREATE UNLOGGED TABLE workflow_delivery_idle_wake_targets (
@@ -100,7 +101,8 @@ CREATE TABLE workflow_delivery_timeline (
     delivery_id uuid NOT NULL,
     error_message text,
     error_traceback text,
-    error_type text
+    error_type text,
+    reason text
 );
 
 CREATE TABLE workflow_runs (
@@ -158,6 +160,7 @@ ALTER TABLE wd_executor_presentations ADD CONSTRAINT wd_executor_presentation_pe
 ALTER TABLE workflow_agent_deliveries ADD CONSTRAINT workflow_agent_deliveries_pkey PRIMARY KEY (id);
 ALTER TABLE workflow_agent_deliveries ADD CONSTRAINT wd_delivery_identity_key UNIQUE (community_id, run_id, step_id, target_pubkey);
 ALTER TABLE workflow_agent_deliveries ADD CONSTRAINT wd_delivery_tenant_key UNIQUE (community_id, id);
+ALTER TABLE workflow_agent_deliveries ADD CONSTRAINT wd_delivery_attempts_at_retry_range CHECK (((attempts_at_retry >= 0) AND ((attempts_at_retry <= attempts) OR (attempts < 0))));
 ALTER TABLE workflow_agent_deliveries ADD CONSTRAINT wd_delivery_attempts_nonneg CHECK ((attempts >= 0));
 ALTER TABLE workflow_agent_deliveries ADD CONSTRAINT wd_delivery_available_at_only_pending CHECK (((available_at IS NULL) OR (status = 'pending'::text)));
 ALTER TABLE workflow_agent_deliveries ADD CONSTRAINT wd_delivery_cause_event_id_32_bytes CHECK ((length(cause_event_id) = 32));
@@ -187,7 +190,9 @@ ALTER TABLE workflow_delivery_timeline ADD CONSTRAINT wd_timeline_error_kinds CH
 ALTER TABLE workflow_delivery_timeline ADD CONSTRAINT wd_timeline_error_message_length CHECK (((error_message IS NULL) OR (length(error_message) <= 2000)));
 ALTER TABLE workflow_delivery_timeline ADD CONSTRAINT wd_timeline_error_traceback_length CHECK (((error_traceback IS NULL) OR (length(error_traceback) <= 16000)));
 ALTER TABLE workflow_delivery_timeline ADD CONSTRAINT wd_timeline_error_type_valid CHECK (((error_type IS NULL) OR ((length(error_type) >= 1) AND (length(error_type) <= 200) AND (error_type ~ '\S'::text))));
-ALTER TABLE workflow_delivery_timeline ADD CONSTRAINT wd_timeline_kind_valid CHECK ((kind = ANY (ARRAY['committed'::text, 'claimed'::text, 'finished'::text, 'failed'::text, 'reaped'::text, 'released'::text, 'operator_failed'::text, 'attempts_exhausted'::text, 'retried'::text])));
+ALTER TABLE workflow_delivery_timeline ADD CONSTRAINT wd_timeline_kind_valid CHECK ((kind = ANY (ARRAY['committed'::text, 'claimed'::text, 'finished'::text, 'failed'::text, 'reaped'::text, 'released'::text, 'operator_failed'::text, 'attempts_exhausted'::text, 'retried'::text, 'operator_retried'::text])));
+ALTER TABLE workflow_delivery_timeline ADD CONSTRAINT wd_timeline_reason_length CHECK (((reason IS NULL) OR (length(reason) <= 500)));
+ALTER TABLE workflow_delivery_timeline ADD CONSTRAINT wd_timeline_reason_of_retry CHECK ((((reason IS NULL) AND (NOT (kind = 'operator_retried'::text))) OR ((kind = 'operator_retried'::text) AND (reason IS NOT NULL) AND (reason ~ '\S'::text))));
 ALTER TABLE workflow_delivery_timeline ADD CONSTRAINT wd_timeline_delivery_fk FOREIGN KEY (community_id, delivery_id) REFERENCES workflow_agent_deliveries(community_id, id) ON DELETE CASCADE;
 
 ALTER TABLE workflow_runs ADD CONSTRAINT workflow_runs_pkey PRIMARY KEY (id);
@@ -510,6 +515,31 @@ BEGIN
         END IF;
     END IF;
     RETURN NEW;
+END
+$function$;
+
+CREATE OR REPLACE FUNCTION public.wd_guard_delivery_retry()
+ RETURNS trigger
+ LANGUAGE plpgsql
+ SET search_path TO 'public', 'pg_catalog', 'pg_temp'
+AS $function$
+BEGIN
+    IF OLD.status = 'finished' AND NEW.status IS DISTINCT FROM OLD.status THEN
+        RETURN NULL;  -- wd_delivery_transition_guard refuses it, as terminal once
+    END IF;
+    IF OLD.status = 'failed' AND NEW.status = 'pending'
+       AND NEW.lease_generation > OLD.lease_generation
+       AND NEW.attempts = OLD.attempts AND NEW.attempts_at_retry = OLD.attempts
+       AND (NEW.last_error_type, NEW.last_error_message, NEW.last_error_at)
+           IS NOT DISTINCT FROM (OLD.last_error_type, OLD.last_error_message, OLD.last_error_at)
+    THEN
+        RETURN NULL;
+    END IF;
+    RAISE EXCEPTION 'delivery %: only a retry of a failed delivery renews its attempts, and it bumps lease_generation, sets attempts_at_retry to attempts and keeps the recorded error (% -> %, generation % -> %, attempts_at_retry % -> %)',
+        OLD.id, OLD.status, NEW.status, OLD.lease_generation, NEW.lease_generation,
+        OLD.attempts_at_retry, NEW.attempts_at_retry
+        USING ERRCODE = 'check_violation',
+              CONSTRAINT = 'wd_delivery_retry_renews', TABLE = TG_TABLE_NAME;
 END
 $function$;
 
@@ -865,11 +895,12 @@ CREATE TRIGGER wd_community_write_fence_insert AFTER INSERT ON public.workflow_a
 CREATE TRIGGER wd_delivery_attempts BEFORE UPDATE ON public.workflow_agent_deliveries FOR EACH ROW WHEN ((((old.status = 'pending'::text) AND (new.status = 'claimed'::text)) OR ((new.attempts IS DISTINCT FROM old.attempts) AND (new.attempts >= 0)) OR (new.last_claimed_at IS DISTINCT FROM old.last_claimed_at))) EXECUTE FUNCTION wd_count_delivery_attempts();
 CREATE TRIGGER wd_delivery_attempts_start BEFORE INSERT ON public.workflow_agent_deliveries FOR EACH ROW WHEN (((new.attempts > 0) OR (new.last_claimed_at IS NOT NULL))) EXECUTE FUNCTION wd_count_delivery_attempts();
 CREATE TRIGGER wd_delivery_one_message_per_step BEFORE INSERT ON public.workflow_agent_deliveries FOR EACH ROW EXECUTE FUNCTION wd_enforce_one_message_per_step();
+CREATE TRIGGER wd_delivery_retry_guard AFTER UPDATE ON public.workflow_agent_deliveries FOR EACH ROW WHEN ((((old.status = 'failed'::text) AND (new.status = 'pending'::text)) OR (new.attempts_at_retry IS DISTINCT FROM old.attempts_at_retry))) EXECUTE FUNCTION wd_guard_delivery_retry();
 CREATE TRIGGER wd_delivery_target_enrolled_insert AFTER INSERT ON public.workflow_agent_deliveries REFERENCING NEW TABLE AS created FOR EACH STATEMENT EXECUTE FUNCTION wd_require_enrolled_targets();
 CREATE TRIGGER wd_delivery_target_enrolled_update AFTER UPDATE OF target_pubkey ON public.workflow_agent_deliveries FOR EACH ROW WHEN ((new.target_pubkey IS DISTINCT FROM old.target_pubkey)) EXECUTE FUNCTION wd_require_enrolled_target();
 CREATE TRIGGER wd_delivery_timeline AFTER UPDATE ON public.workflow_agent_deliveries FOR EACH ROW WHEN ((((new.status IS DISTINCT FROM old.status) OR ((old.status = 'claimed'::text) AND (new.lease_generation <> old.lease_generation))) AND (current_setting('workflow_delivery.timeline'::text, true) IS DISTINCT FROM 'off'::text) AND (NOT ((COALESCE(current_setting('workflow_delivery.actor'::text, true), ''::text) = ''::text) AND (((old.status = 'pending'::text) AND (new.status = 'claimed'::text)) OR ((old.status = 'claimed'::text) AND (new.status = ANY (ARRAY['finished'::text, 'failed'::text])) AND (new.lease_generation = old.lease_generation) AND (NOT (new.last_error_at IS DISTINCT FROM old.last_error_at)))))) AND (current_setting('workflow_delivery.recorded_by_statement'::text, true) IS DISTINCT FROM 'on'::text))) EXECUTE FUNCTION wd_record_delivery_departure();
 CREATE TRIGGER wd_delivery_timeline_commit AFTER INSERT ON public.workflow_agent_deliveries FOR EACH ROW WHEN (((current_setting('workflow_delivery.timeline'::text, true) IS DISTINCT FROM 'off'::text) AND (NOT ((new.status = 'pending'::text) AND (new.lease_generation = 0) AND (COALESCE(current_setting('workflow_delivery.actor'::text, true), ''::text) = ''::text))))) EXECUTE FUNCTION wd_record_delivery_departure();
-CREATE TRIGGER wd_delivery_transition_guard AFTER UPDATE ON public.workflow_agent_deliveries FOR EACH ROW WHEN (((new.lease_generation < old.lease_generation) OR ((new.id IS DISTINCT FROM old.id) OR (new.community_id IS DISTINCT FROM old.community_id)) OR ((old.status = ANY (ARRAY['finished'::text, 'failed'::text])) AND (((((new.status IS DISTINCT FROM old.status) OR (new.finished_at IS DISTINCT FROM old.finished_at)) OR (new.last_error_type IS DISTINCT FROM old.last_error_type)) OR (new.last_error_message IS DISTINCT FROM old.last_error_message)) OR (new.last_error_at IS DISTINCT FROM old.last_error_at))))) EXECUTE FUNCTION wd_reject_delivery_transition();
+CREATE TRIGGER wd_delivery_transition_guard AFTER UPDATE ON public.workflow_agent_deliveries FOR EACH ROW WHEN (((new.lease_generation < old.lease_generation) OR ((new.id IS DISTINCT FROM old.id) OR (new.community_id IS DISTINCT FROM old.community_id)) OR ((old.status = ANY (ARRAY['finished'::text, 'failed'::text])) AND (NOT ((old.status = 'failed'::text) AND (new.status = 'pending'::text))) AND (((((new.status IS DISTINCT FROM old.status) OR (new.finished_at IS DISTINCT FROM old.finished_at)) OR (new.last_error_type IS DISTINCT FROM old.last_error_type)) OR (new.last_error_message IS DISTINCT FROM old.last_error_message)) OR (new.last_error_at IS DISTINCT FROM old.last_error_at))))) EXECUTE FUNCTION wd_reject_delivery_transition();
 
 CREATE TRIGGER wd_community_write_fence BEFORE INSERT OR DELETE OR UPDATE ON public.workflow_delivery_idle_wake_targets FOR EACH ROW EXECUTE FUNCTION wd_enforce_community_write_fence();
 
