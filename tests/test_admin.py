@@ -84,6 +84,7 @@ def test_no_form_adds_changes_or_deletes_a_row(admin_client, step, model):
         ("release_leases", "release_delivery"),
         ("mark_failed", "fail_delivery"),
         ("reap_expired_leases", "reap_deliveries"),
+        ("retry_failed", "retry_delivery"),
     ],
 )
 def test_a_delivery_action_needs_its_own_permission(client, viewer, step, raw, action, codename):
@@ -91,7 +92,7 @@ def test_a_delivery_action_needs_its_own_permission(client, viewer, step, raw, a
     claim(step, step.targets[0])
     expire(raw, first)
     before = WorkflowAgentDelivery.objects.filter(pk=first).values().get()
-    others = {"release_leases", "mark_failed", "reap_expired_leases"} - {action}
+    others = {"release_leases", "mark_failed", "reap_expired_leases", "retry_failed"} - {action}
 
     page = client.get(changelist(WorkflowAgentDelivery)).content.decode()
     assert f'value="{action}"' not in page
@@ -161,6 +162,55 @@ def test_mark_failed_is_an_operator_terminal_of_non_terminal_rows(admin_client, 
     assert sorted(logged.values_list("object_id", flat=True)) == sorted(
         [str(pending), str(claimed)]
     )
+
+
+def test_retry_asks_why_then_retries_the_failed_rows_only(admin_client, admin_user, step):
+    failed, finished, pending = committed(step)
+    held = claim(step, step.targets[0])
+    services.finish_delivery(held, Outcome.FAILED, error="smtp down")
+    services.finish_delivery(claim(step, step.targets[1]), Outcome.FINISHED)
+    chosen = [str(i) for i in (failed, finished, pending)]
+    url = changelist(WorkflowAgentDelivery)
+    asked = admin_client.post(url, {"action": "retry_failed", "_selected_action": chosen})
+    assert asked.status_code == 200 and 'name="reason"' in asked.content.decode()
+    assert delivery(failed).status == "failed"
+    blank = {"action": "retry_failed", "_selected_action": chosen, "apply": "1", "reason": " "}
+    assert "Say why" in admin_client.post(url, blank).content.decode()
+    assert delivery(failed).status == "failed"
+
+    answer = admin_client.post(url, {**blank, "reason": "smtp is back"}, follow=True)
+
+    reported = [str(message) for message in answer.context["messages"]]
+    assert reported == [
+        "Retry: 1 done, 2 skipped (1 finished, never reopened, 1 pending, not failed)."
+    ]
+    row = delivery(failed)
+    assert (row.status, row.lease_generation) == ("pending", held.generation + 1)
+    assert delivery(finished).status == "finished"
+    entry = row.timeline.latest("id")
+    assert (entry.kind, entry.actor, entry.reason) == (
+        "operator_retried",
+        f"operator:{admin_user.get_username()}",
+        "smtp is back",
+    )
+    assert LogEntry.objects.get(object_id=str(failed)).user == admin_user
+
+
+def test_retry_without_its_permission_changes_nothing_even_when_posted(client, viewer, step):
+    first, *_ = committed(step)
+    services.finish_delivery(claim(step, step.targets[0]), Outcome.FAILED)
+    posted = {
+        "action": "retry_failed",
+        "_selected_action": [str(first)],
+        "apply": "1",
+        "reason": "why not",
+        "index": 0,
+    }
+    client.post(changelist(WorkflowAgentDelivery), posted, follow=True)
+    assert delivery(first).status == "failed"
+    grant(viewer, "retry_delivery")
+    client.post(changelist(WorkflowAgentDelivery), posted, follow=True)
+    assert delivery(first).status == "pending"
 
 
 @pytest.mark.parametrize("action", ["release_leases", "mark_failed"])

@@ -95,8 +95,10 @@ def test_sigterm_stops_it_cleanly():
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (["--community", "nope"], "--community must be a community UUID"),
-        (["--community", str(uuid.uuid4())], "does not exist"),
+        (["--community", "nope"], "--community: no community has the id or host 'nope'"),
+        (["--community", str(uuid.uuid4())], "--community: no community has the id or host"),
+        (["--all-enrolled", "--target"], "name the targets with --target, or serve"),
+        (["--roster-interval", "0"], "--roster-interval must be a positive number"),
         (["--target", "ab"], "--target must be 64 lowercase hex"),
         (["--target", "AB" * 32], "--target must be 64 lowercase hex"),
         (["--target", "zz" * 32], "--target must be 64 lowercase hex"),
@@ -119,7 +121,36 @@ def test_bad_arguments_are_command_errors(args, message):
         "--target": step.targets[0].hex(),
         "--handler": f"{HANDLERS}.do_nothing",
     }
+    flags = [flag for flag in args if flag == "--all-enrolled"]
+    args = [arg for arg in args if arg != "--all-enrolled"]
+    if args and args[-1] == "--target":
+        args = []  # --all-enrolled with the base's --target
     base.update(dict(zip(args[::2], args[1::2], strict=True)))
-    argv = [item for pair in base.items() for item in pair]
+    argv = [item for pair in base.items() for item in pair] + flags
     with pytest.raises(CommandError, match=message):
+        call_command("consume_deliveries", *argv, stdout=StringIO())
+
+
+def test_all_enrolled_by_host_serves_every_agent_of_the_roster(effects):
+    step = factories.Step(owner=factories.community("Roster.Example"), targets=3)
+    factories.committed(step)
+    out = StringIO()
+    call_command(
+        "consume_deliveries",
+        "--community",
+        "roster.example",
+        "--all-enrolled",
+        "--handler",
+        f"{HANDLERS}.write_effect",
+        "--max-deliveries",
+        "3",
+        stdout=out,
+    )
+    assert out.getvalue().strip().splitlines()[-1].startswith("done: claimed=3 finished=3")
+
+
+def test_neither_targets_nor_the_roster_is_a_command_error():
+    step = factories.Step(targets=1)
+    argv = ["--community", str(step.community.id), "--handler", f"{HANDLERS}.do_nothing"]
+    with pytest.raises(CommandError, match="name the targets with --target, or serve"):
         call_command("consume_deliveries", *argv, stdout=StringIO())

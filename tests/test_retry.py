@@ -421,9 +421,10 @@ def test_a_settled_delivery_keeps_its_error_as_it_was():
     with pytest.raises(ConstraintViolation) as refused:
         raw_update("last_error_message = 'rewritten'", delivery_id)
     assert refused.value.constraint == "wd_delivery_terminal_once"
+    # Only an operator's retry takes a failed delivery back (wd_delivery_retry_renews).
     with pytest.raises(ConstraintViolation) as reopened:
         raw_update("status = 'pending', finished_at = NULL, available_at = now()", delivery_id)
-    assert reopened.value.constraint == "wd_delivery_terminal_once"
+    assert reopened.value.constraint == "wd_delivery_retry_renews"
 
 
 def test_a_retry_entry_always_carries_an_error():

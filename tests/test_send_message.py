@@ -122,6 +122,37 @@ def test_the_same_key_again_returns_the_same_deliveries_and_stores_nothing():
     assert _counts() == (1, 1, 1, 2)
 
 
+@pytest.mark.parametrize(
+    "tags",
+    [
+        [["run", "my-pipeline", "stage-2"]],
+        [["subject", "x"], ["run", "a", "b"], ["run", "c", "d"]],
+        [["run", "same", "twice"], ["run", "same", "twice"]],
+    ],
+)
+def test_a_retry_with_run_tags_of_its_own_returns_the_stored_message(tags):
+    owner = factories.community()
+    targets = _agents(owner, 2)
+    first = _send(owner, targets, tags=tags)
+    again = _send(owner, targets, tags=[list(tag) for tag in tags])
+    assert again.created is False
+    assert again.message == first.message
+    assert _counts() == (1, 1, 1, 2)
+    with pytest.raises(IdempotencyConflict, match="tags"):
+        _send(owner, targets, tags=tags[:-1])
+    with pytest.raises(IdempotencyConflict, match="tags"):
+        _send(owner, targets, tags=[*tags, ["run", "one", "more"]])
+
+
+def test_a_retry_naming_the_derived_run_tag_itself_is_another_message():
+    owner = factories.community()
+    targets = _agents(owner, 1)
+    first = _send(owner, targets)
+    derived = ["run", str(first.run_id), first.step_id]
+    with pytest.raises(IdempotencyConflict, match="tags"):
+        _send(owner, targets, tags=[derived])
+
+
 def test_another_key_is_another_run_in_the_same_workflow():
     owner = factories.community()
     (target,) = _agents(owner, 1)
@@ -475,3 +506,68 @@ def _eventually(condition, seconds: float = 10.0) -> bool:
             return True
         time.sleep(0.02)
     return False
+
+
+def _plant_workflow(intruder: Community, workflow_id: uuid.UUID) -> Workflow:
+    return Workflow.objects.create(
+        id=workflow_id, community=intruder, name="planted", owner_pubkey=bytes(32), definition={}
+    )
+
+
+def _plant_run(intruder: Community, run_id: uuid.UUID) -> WorkflowRun:
+    return WorkflowRun.objects.create(
+        id=run_id, community=intruder, workflow=factories.workflow(intruder)
+    )
+
+
+def test_another_communitys_rows_on_the_derived_ids_do_not_stop_its_sends():
+    owner, intruder = factories.community(), factories.community()
+    targets = _agents(owner, 2)
+    _plant_workflow(intruder, sending.workflow_id_for(owner.id))
+    _plant_run(intruder, sending.run_id_for(owner.id, "order-1"))
+    _plant_run(intruder, sending.run_id_for(owner.id, "order-1", 1))
+    first = _send(owner, targets)
+    assert first.created is True
+    assert first.run_id == sending.run_id_for(owner.id, "order-1", 2)
+    assert first.deliveries[0].binding.workflow_id == sending.workflow_id_for(owner.id, 1)
+    again = _send(owner, targets)
+    assert again.created is False
+    assert [r.id for r in again.deliveries] == [r.id for r in first.deliveries]
+    other = _send(owner, targets, key="order-2")
+    assert other.run_id == sending.run_id_for(owner.id, "order-2")
+    assert other.deliveries[0].binding.workflow_id == first.deliveries[0].binding.workflow_id
+    assert WorkflowRun.objects.filter(community=intruder).count() == 2
+
+
+def test_a_retry_finds_its_run_after_the_id_before_it_is_freed():
+    owner, intruder = factories.community(), factories.community()
+    targets = _agents(owner, 1)
+    planted = _plant_run(intruder, sending.run_id_for(owner.id, "order-1"))
+    first = _send(owner, targets)
+    planted.delete()
+    again = _send(owner, targets)
+    assert (again.created, again.run_id) == (False, first.run_id)
+    assert [r.id for r in again.deliveries] == [r.id for r in first.deliveries]
+
+
+def test_a_send_stored_on_the_first_derived_id_is_found_by_its_retry():
+    """What every send made before ids were derived in turn looks like."""
+    owner = factories.community()
+    targets = _agents(owner, 1)
+    first = _send(owner, targets)
+    assert first.run_id == sending.run_id_for(owner.id, "order-1")
+    assert first.deliveries[0].binding.workflow_id == sending.workflow_id_for(owner.id)
+    assert _send(owner, targets).created is False
+
+
+def test_every_derived_run_id_taken_is_a_clear_error_that_keeps_nothing():
+    owner, intruder = factories.community(), factories.community()
+    targets = _agents(owner, 1)
+    for attempt in range(sending.DERIVED_IDS):
+        _plant_run(intruder, sending.run_id_for(owner.id, "order-1", attempt))
+    before = _counts()
+    with pytest.raises(IdempotencyConflict, match="another community's run") as caught:
+        _send(owner, targets)
+    assert caught.value.field == "idempotency_key"
+    assert _counts() == before
+    assert _send(owner, targets, key="order-2").created is True

@@ -43,9 +43,11 @@ from .exceptions import (
     CommunityNotFound,
     CommunityWriteFenced,
     InvalidLifecycleTransition,
+    ProtocolError,
 )
 from .history import delivery_history, unrecorded_attempts
 from .models import (
+    REASON_MAX_LENGTH,
     STATUSES,
     TERMINAL_STATUSES,
     Community,
@@ -509,6 +511,20 @@ def _why_skipped(considered: list[uuid.UUID], done: list[uuid.UUID]) -> dict[str
     return reasons
 
 
+def _why_not_retried(considered: list[uuid.UUID], done: list[uuid.UUID]) -> dict[str, int]:
+    """The rows a retry left alone, counted by why (read after the retry)."""
+    left = WorkflowAgentDelivery.objects.filter(pk__in=set(considered) - set(done))
+    reasons: dict[str, int] = defaultdict(int)
+    for state, status in left.values_list("community__deletion_state", "status"):
+        if state != DeletionState.ACTIVE:
+            reasons["community not active"] += 1
+        elif status == DeliveryStatus.FINISHED:
+            reasons["finished, never reopened"] += 1
+        else:
+            reasons[f"{status}, not failed"] += 1
+    return reasons
+
+
 @admin.register(WorkflowAgentDelivery)
 class DeliveryAdmin(ReadOnlyAdmin):
     # What an operator reads first, in one short line per row at 1,400 px; the
@@ -590,7 +606,7 @@ class DeliveryAdmin(ReadOnlyAdmin):
         (None, {"fields": [time_field("created_at")]}),
         ("Timeline", {"fields": ["timeline"]}),
     ]
-    actions = ["reap_expired_leases", "release_leases", "mark_failed"]
+    actions = ["reap_expired_leases", "release_leases", "mark_failed", "retry_failed"]
 
     def get_queryset(self, request: HttpRequest) -> QuerySet:
         # The workflow's definition can be large and no page of deliveries shows it.
@@ -663,7 +679,9 @@ class DeliveryAdmin(ReadOnlyAdmin):
                     entry.generation,
                     entry.attempts,
                     entry.actor,
-                    _error(entry.error_type, entry.error_message, entry.error_traceback),
+                    f"reason: {entry.reason}"
+                    if entry.reason
+                    else _error(entry.error_type, entry.error_message, entry.error_traceback),
                 )
                 for entry in entries
             ),
@@ -839,6 +857,42 @@ class DeliveryAdmin(ReadOnlyAdmin):
             "Marked failed by an operator (operator terminal)",
         )
 
+    @admin.action(
+        permissions=["retry_delivery"],
+        description="Retry failed deliveries (back to pending, attempts renewed)",
+    )
+    def retry_failed(self, request: HttpRequest, queryset: QuerySet) -> HttpResponse | None:
+        """First a page asking why (the reason goes on each timeline), then the retry."""
+        reason = request.POST.get("reason", "")
+        if "apply" in request.POST and reason.strip():
+            try:
+                self._operate(
+                    request,
+                    queryset,
+                    services.retry_failed_deliveries,
+                    "Retry",
+                    f"Retried by an operator: back to pending, attempts renewed ({reason})",
+                    _why_not_retried,
+                    reason=reason,
+                )
+            except ProtocolError as exc:
+                self.message_user(request, f"Retry: {exc}. Nothing was done.", messages.ERROR)
+            return None
+        context = {
+            **self.admin_site.each_context(request),
+            "title": "Retry failed deliveries",
+            "opts": self.opts,
+            "deliveries": queryset.select_related("community").order_by("community__host", "id"),
+            "selected": request.POST.getlist(helpers.ACTION_CHECKBOX_NAME),
+            "select_across": request.POST.get("select_across", "0"),
+            "reason": reason,
+            "reason_missing": "apply" in request.POST,
+            "reason_max_length": REASON_MAX_LENGTH,
+        }
+        return TemplateResponse(
+            request, "admin/workflow_delivery/workflowagentdelivery/retry.html", context
+        )
+
     def _operate(
         self,
         request: HttpRequest,
@@ -846,6 +900,8 @@ class DeliveryAdmin(ReadOnlyAdmin):
         service: Callable[..., list[uuid.UUID]],
         action: str,
         log_message: str,
+        why: Callable[[list[uuid.UUID], list[uuid.UUID]], dict[str, int]] = _why_skipped,
+        **options: str,
     ) -> None:
         """Call ``service`` once per community of the selection; it changes only the
         eligible rows of active communities and returns their ids."""
@@ -856,18 +912,19 @@ class DeliveryAdmin(ReadOnlyAdmin):
         done = [
             i
             for community, ids in by_community.items()
-            for i in service(community, ids, operator=operator)
+            for i in service(community, ids, operator=operator, **options)
         ]
         if done:
             changed = WorkflowAgentDelivery.objects.filter(pk__in=done)
             _log_operator_change(request, WorkflowAgentDelivery, changed, log_message)
         considered = [i for ids in by_community.values() for i in ids]
-        self._report(request, action, len(done), len(considered), _why_skipped(considered, done))
+        self._report(request, action, len(done), len(considered), why(considered, done))
 
     has_reap_deliveries_permission = operator_permission("reap_deliveries")
 
     has_release_delivery_permission = operator_permission("release_delivery")
     has_fail_delivery_permission = operator_permission("fail_delivery")
+    has_retry_delivery_permission = operator_permission("retry_delivery")
 
 
 @admin.register(CommunityAgent)

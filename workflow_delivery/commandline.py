@@ -1,5 +1,5 @@
-"""What the app's long-running commands share: a polite stop on SIGTERM/SIGINT,
-logging tied to --verbosity, and the checks of their options.
+"""What the app's commands share: a polite stop on SIGTERM/SIGINT, logging tied to
+--verbosity, and the checks of their options (a community by id or host among them).
 
 Commands stay thin: they parse arguments, check them here, call a service or build a
 ``reaper.Reaper``, and report."""
@@ -10,6 +10,7 @@ import logging
 import signal
 import threading
 import time
+import uuid
 from argparse import ArgumentParser
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -19,9 +20,11 @@ from typing import Any
 
 from django.core.management.base import CommandError
 from django.db import DEFAULT_DB_ALIAS, connections
+from django.db.models.functions import Lower
 
 from . import routing
 from .conf import app_settings
+from .models import Community
 from .validation import is_number, is_whole_number, parse_duration
 
 # The reaper's logger: the commands report there too (docs/howto/operations.md), so one
@@ -132,3 +135,23 @@ def duration_option(option: str, value: object) -> timedelta:
         return parse_duration(value)
     except ValueError as exc:
         raise CommandError(f"{option}: {exc}") from None
+
+
+def community_option(option: str, value: str, using: str) -> uuid.UUID:
+    """The id of the community ``value`` names, by id or by host (any case)."""
+    communities = Community.objects.using(using)
+    try:
+        by_id = communities.filter(id=uuid.UUID(value))
+    except ValueError:
+        by_id = communities.none()
+    found = by_id.values_list("id", flat=True).first()
+    if found is None:
+        found = (
+            communities.annotate(lower_host=Lower("host"))
+            .filter(lower_host=value.lower())
+            .values_list("id", flat=True)
+            .first()
+        )
+    if found is None:
+        raise CommandError(f"{option}: no community has the id or host {value!r}")
+    return found

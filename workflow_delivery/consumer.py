@@ -44,6 +44,7 @@ from django.db import DEFAULT_DB_ALIAS, connections, transaction
 from . import services
 from .conf import app_settings
 from .exceptions import DeliveryTimeout, LeaseNotLive, ProtocolError, WorkflowDeliveryError
+from .models import CommunityAgent
 from .protocol import (
     AlreadyTerminal,
     DeliveryRecord,
@@ -282,12 +283,21 @@ class Consumer:
         grace_seconds: float = DEFAULT_GRACE_SECONDS,
         listen: bool | None = None,
         on_progress: Callable[[ConsumerStats], None] | None = None,
+        roster_interval: float | None = None,
     ) -> None:
         self.community_id = as_uuid("community_id", community_id)
+        if roster_interval is not None and not (is_number(roster_interval) and roster_interval > 0):
+            raise ProtocolError(
+                "roster_interval", f"must be a positive number: {roster_interval!r}"
+            )
+        #: With it, the targets are the roster's enabled agents, read again this often.
+        self.roster_interval = roster_interval
+        if roster_interval is not None:
+            targets = self._enrolled_targets(using)
         if isinstance(targets, bytes | bytearray | str):
             raise ProtocolError("targets", "must be a list of 32-byte public keys")
         self.targets = [as_bytes32("targets", target) for target in targets]
-        if not self.targets:
+        if not self.targets and roster_interval is None:
             raise ProtocolError("targets", "name at least one target")
         if not callable(handler):
             raise ProtocolError("handler", "must be callable")
@@ -331,6 +341,24 @@ class Consumer:
         # Set while the session listens: only then may a worker register as idle, since
         # a wake-up sent to nobody would consume the registration for nothing.
         self._heard = threading.Event()
+
+    def _enrolled_targets(self, using: str) -> list[bytes]:
+        rows = CommunityAgent.objects.using(using).filter(
+            community_id=self.community_id, enabled=True
+        )
+        return [bytes(key) for key in rows.order_by("id").values_list("pubkey", flat=True)]
+
+    def follow_roster(self) -> None:
+        """Serve the roster's enabled agents as they are now: an enrolled (or
+        reinstated) agent is claimed for from the next claim on, a revoked one no longer
+        (its leases were released by its revocation, so its handlers see the lease lost)."""
+        targets = self._enrolled_targets(self.using)
+        if targets != self.targets:
+            logger.info("roster: serving %s agents (was %s)", len(targets), len(self.targets))
+            # One assignment each: a worker reads a whole list, the old or the new one.
+            self.targets = targets
+            self._target_set = frozenset(targets)
+            self._wake_workers()
 
     # -- control -------------------------------------------------------------------
 
@@ -413,10 +441,19 @@ class Consumer:
                 # The next wait retries; until then the workers poll.
                 logger.warning("cannot listen for wake-ups yet (%s); polling", exc)
         reconnects = 0
-        last_progress = time.monotonic()
+        last_progress = last_roster = time.monotonic()
         while not self._stopping.is_set() and any(worker.is_alive() for worker in workers):
             if stop is not None and stop():
                 break
+            if self.roster_interval is not None and (
+                time.monotonic() - last_roster >= self.roster_interval
+            ):
+                last_roster = time.monotonic()
+                try:
+                    self.follow_roster()
+                except CONNECTION_ERRORS as exc:
+                    logger.warning("cannot read the roster (%s); trying again", exc)
+                    _recover(self, exc)
             if listener is None:
                 self._stopping.wait(_LISTEN_SLICE)
             else:
@@ -489,7 +526,7 @@ class Consumer:
     def _work(self, index: int) -> None:
         # Each worker thread has its own Django connection, closed when it ends.
         # Workers start at different targets and take them in turn (see _claim).
-        turn = [index % len(self.targets)]
+        turn = [index]
         backoff = 0.0
         try:
             while not self._stopping.is_set():
@@ -499,7 +536,7 @@ class Consumer:
                     seen = self._wake_seq
                 try:
                     claimed = self._claim(turn)
-                    if claimed is None and self._heard.is_set():
+                    if claimed is None and self._heard.is_set() and self.targets:
                         # Registered while the session listens, a commit from now on
                         # wakes us; this poll finds one that came before.
                         services.register_idle(self.community_id, self.targets, using=self.using)
@@ -533,13 +570,14 @@ class Consumer:
         call starts after the target that gave a delivery. Round-robin keeps one
         target's backlog from starving the others, and an empty target costs a miss
         only when its turn comes, not before every claim."""
-        count = len(self.targets)
+        targets = self.targets  # the roster may replace the list meanwhile
+        count = len(targets)
         start = turn[0]
         for step in range(count):
             position = (start + step) % count
             claimed = services.claim_delivery(
                 self.community_id,
-                self.targets[position],
+                targets[position],
                 lease_seconds=self.lease_seconds,
                 using=self.using,
             )

@@ -18,6 +18,7 @@ from datetime import datetime
 from .models import TERMINAL_STATUSES, DeliveryTransition, TransitionKind, WorkflowAgentDelivery
 
 CLAIMED = "claimed"
+OPERATOR_RETRIED = TransitionKind.OPERATOR_RETRIED.value
 
 
 @dataclass(frozen=True)
@@ -36,6 +37,7 @@ class HistoryEntry:
     error_message: str | None = None
     error_traceback: str | None = None
     stored: bool = True
+    reason: str | None = None
 
 
 def _entry(row: DeliveryTransition) -> HistoryEntry:
@@ -50,6 +52,7 @@ def _entry(row: DeliveryTransition) -> HistoryEntry:
         error_type=row.error_type,
         error_message=row.error_message,
         error_traceback=row.error_traceback,
+        reason=row.reason,
     )
 
 
@@ -74,7 +77,10 @@ def merge(
         )
     history += stored
     terminal = delivery.status in TERMINAL_STATUSES
-    settle_stored = terminal and any(entry.status_after == delivery.status for entry in stored)
+    # A settle before an operator's retry is not the row's current one.
+    retried = [n for n, entry in enumerate(stored) if entry.kind == OPERATOR_RETRIED]
+    current = stored[retried[-1] + 1 :] if retried else stored
+    settle_stored = terminal and any(entry.status_after == delivery.status for entry in current)
     claim_stored = any(
         entry.status_after == CLAIMED and entry.attempts == delivery.attempts for entry in stored
     )

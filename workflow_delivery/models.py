@@ -12,7 +12,7 @@ import uuid
 
 from django.contrib.postgres.functions import TransactionNow
 from django.db import models
-from django.db.models import Q
+from django.db.models import F, Q
 from django.db.models.functions import Length, Lower
 from django.db.models.lookups import Exact, GreaterThanOrEqual, LessThanOrEqual
 
@@ -27,6 +27,8 @@ from .protocol import (
 NIL_UUID = uuid.UUID(int=0)
 # The longest label an agent of a roster may carry, in characters.
 AGENT_LABEL_MAX_LENGTH = 200
+# The longest reason an operator may give for retrying a delivery, in characters.
+REASON_MAX_LENGTH = 500
 
 
 class StatementTimestamp(models.Func):
@@ -279,6 +281,9 @@ class WorkflowAgentDelivery(models.Model):
     )
     lease_generation = models.BigIntegerField(default=0, db_default=0)
     attempts = models.IntegerField(default=0, db_default=0, editable=False)
+    # ``attempts`` when an operator last retried it (a failed row back to pending): the
+    # attempts cap counts the claims since. Set by that retry only (``wd_delivery_retry_guard``).
+    attempts_at_retry = models.IntegerField(default=0, db_default=0, editable=False)
     lease_until = models.DateTimeField(null=True, blank=True)
     claimed_at = models.DateTimeField(null=True, blank=True)
     finished_at = models.DateTimeField(null=True, blank=True)
@@ -304,6 +309,7 @@ class WorkflowAgentDelivery(models.Model):
             ("reap_deliveries", "Can reap expired delivery leases"),
             ("release_delivery", "Can release the lease of a claimed delivery"),
             ("fail_delivery", "Can mark a delivery failed (operator terminal)"),
+            ("retry_delivery", "Can retry a failed delivery (back to pending, attempts renewed)"),
         ]
         constraints = [
             models.UniqueConstraint(fields=["community", "id"], name="wd_delivery_tenant_key"),
@@ -353,6 +359,12 @@ class WorkflowAgentDelivery(models.Model):
             ),
             models.CheckConstraint(
                 condition=Q(attempts__gte=0), name="wd_delivery_attempts_nonneg"
+            ),
+            models.CheckConstraint(
+                # A negative ``attempts`` is wd_delivery_attempts_nonneg's to name.
+                condition=Q(attempts_at_retry__gte=0)
+                & (Q(attempts_at_retry__lte=F("attempts")) | Q(attempts__lt=0)),
+                name="wd_delivery_attempts_at_retry_range",
             ),
             models.CheckConstraint(
                 condition=Q(
@@ -431,6 +443,7 @@ class TransitionKind(models.TextChoices):
     OPERATOR_FAILED = "operator_failed"
     ATTEMPTS_EXHAUSTED = "attempts_exhausted"
     RETRIED = "retried"
+    OPERATOR_RETRIED = "operator_retried"
 
 
 # The kinds whose entry may carry the holder's error (and a retry always does).
@@ -472,6 +485,8 @@ class DeliveryTransition(models.Model):
     error_type = models.TextField(null=True, blank=True)  # noqa: DJ001 (most entries)
     error_message = models.TextField(null=True, blank=True)  # noqa: DJ001 (most entries)
     error_traceback = models.TextField(null=True, blank=True)  # noqa: DJ001 (most entries)
+    # Why an operator retried it (an ``operator_retried`` entry always says, no other does).
+    reason = models.TextField(null=True, blank=True)  # noqa: DJ001 (most entries)
 
     class Meta:
         db_table = "workflow_delivery_timeline"
@@ -494,6 +509,14 @@ class DeliveryTransition(models.Model):
                 | Q(error_type__isnull=False, kind__in=ERROR_KINDS),
                 name="wd_timeline_error_kinds",
             ),
+            models.CheckConstraint(
+                condition=Q(reason__isnull=True) & ~Q(kind=TransitionKind.OPERATOR_RETRIED)
+                | Q(
+                    reason__isnull=False, reason__regex=r"\S", kind=TransitionKind.OPERATOR_RETRIED
+                ),
+                name="wd_timeline_reason_of_retry",
+            ),
+            _at_most("reason", REASON_MAX_LENGTH, "wd_timeline_reason_length"),
             _error_type_valid("error_type", "wd_timeline_error_type_valid"),
             _at_most("error_message", ERROR_MESSAGE_MAX_LENGTH, "wd_timeline_error_message_length"),
             _at_most(

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 
 from django.db import DEFAULT_DB_ALIAS, close_old_connections, connections
-from django.db.models import Count
+from django.db.models import Count, F
 
 from . import services
 from .commandline import StopRequest
@@ -132,7 +132,11 @@ class Reaper:
         if self.dry_run:
             expired = self._expired(using).in_active_communities()
             cap = app_settings.MAX_ATTEMPTS
-            exhausted = 0 if cap is None else expired.filter(attempts__gte=cap).count()
+            exhausted = (
+                0
+                if cap is None
+                else expired.filter(attempts__gte=F("attempts_at_retry") + cap).count()
+            )
             rows = (
                 expired.values_list("community__host")
                 .annotate(count=Count("id"))

@@ -4,7 +4,7 @@
 -- scripts/dump_schema from a freshly migrated database; tests/test_schema_sql.py
 -- fails when a migration changes the schema and this file does not follow.
 -- Read it to review; the migrations are what build it.
--- Migrations applied: 20, the last 0020_catalog_first_search_path.
+-- Migrations applied: 20, the last 0021_operator_retry.
 
 -- Tables
 
@@ -78,7 +78,8 @@ CREATE TABLE workflow_agent_deliveries (
     last_error_at timestamp with time zone,
     last_error_message text,
     last_error_type text,
-    last_claimed_at timestamp with time zone
+    last_claimed_at timestamp with time zone,
+    attempts_at_retry integer DEFAULT 0 NOT NULL
 );
 
 CREATE UNLOGGED TABLE workflow_delivery_idle_wake_targets (
@@ -100,7 +101,8 @@ CREATE TABLE workflow_delivery_timeline (
     delivery_id uuid NOT NULL,
     error_message text,
     error_traceback text,
-    error_type text
+    error_type text,
+    reason text
 );
 
 CREATE TABLE workflow_runs (
@@ -158,6 +160,7 @@ ALTER TABLE wd_executor_presentations ADD CONSTRAINT wd_executor_presentation_pe
 ALTER TABLE workflow_agent_deliveries ADD CONSTRAINT workflow_agent_deliveries_pkey PRIMARY KEY (id);
 ALTER TABLE workflow_agent_deliveries ADD CONSTRAINT wd_delivery_identity_key UNIQUE (community_id, run_id, step_id, target_pubkey);
 ALTER TABLE workflow_agent_deliveries ADD CONSTRAINT wd_delivery_tenant_key UNIQUE (community_id, id);
+ALTER TABLE workflow_agent_deliveries ADD CONSTRAINT wd_delivery_attempts_at_retry_range CHECK (((attempts_at_retry >= 0) AND ((attempts_at_retry <= attempts) OR (attempts < 0))));
 ALTER TABLE workflow_agent_deliveries ADD CONSTRAINT wd_delivery_attempts_nonneg CHECK ((attempts >= 0));
 ALTER TABLE workflow_agent_deliveries ADD CONSTRAINT wd_delivery_available_at_only_pending CHECK (((available_at IS NULL) OR (status = 'pending'::text)));
 ALTER TABLE workflow_agent_deliveries ADD CONSTRAINT wd_delivery_cause_event_id_32_bytes CHECK ((length(cause_event_id) = 32));
@@ -187,7 +190,9 @@ ALTER TABLE workflow_delivery_timeline ADD CONSTRAINT wd_timeline_error_kinds CH
 ALTER TABLE workflow_delivery_timeline ADD CONSTRAINT wd_timeline_error_message_length CHECK (((error_message IS NULL) OR (length(error_message) <= 2000)));
 ALTER TABLE workflow_delivery_timeline ADD CONSTRAINT wd_timeline_error_traceback_length CHECK (((error_traceback IS NULL) OR (length(error_traceback) <= 16000)));
 ALTER TABLE workflow_delivery_timeline ADD CONSTRAINT wd_timeline_error_type_valid CHECK (((error_type IS NULL) OR ((length(error_type) >= 1) AND (length(error_type) <= 200) AND (error_type ~ '\S'::text))));
-ALTER TABLE workflow_delivery_timeline ADD CONSTRAINT wd_timeline_kind_valid CHECK ((kind = ANY (ARRAY['committed'::text, 'claimed'::text, 'finished'::text, 'failed'::text, 'reaped'::text, 'released'::text, 'operator_failed'::text, 'attempts_exhausted'::text, 'retried'::text])));
+ALTER TABLE workflow_delivery_timeline ADD CONSTRAINT wd_timeline_kind_valid CHECK ((kind = ANY (ARRAY['committed'::text, 'claimed'::text, 'finished'::text, 'failed'::text, 'reaped'::text, 'released'::text, 'operator_failed'::text, 'attempts_exhausted'::text, 'retried'::text, 'operator_retried'::text])));
+ALTER TABLE workflow_delivery_timeline ADD CONSTRAINT wd_timeline_reason_length CHECK (((reason IS NULL) OR (length(reason) <= 500)));
+ALTER TABLE workflow_delivery_timeline ADD CONSTRAINT wd_timeline_reason_of_retry CHECK ((((reason IS NULL) AND (NOT (kind = 'operator_retried'::text))) OR ((kind = 'operator_retried'::text) AND (reason IS NOT NULL) AND (reason ~ '\S'::text))));
 ALTER TABLE workflow_delivery_timeline ADD CONSTRAINT wd_timeline_delivery_fk FOREIGN KEY (community_id, delivery_id) REFERENCES workflow_agent_deliveries(community_id, id) ON DELETE CASCADE;
 
 ALTER TABLE workflow_runs ADD CONSTRAINT workflow_runs_pkey PRIMARY KEY (id);
@@ -227,11 +232,11 @@ CREATE INDEX wd_run_workflow_idx ON public.workflow_runs USING btree (community_
 CREATE OR REPLACE FUNCTION public.community_write_allowed(p_community_id uuid)
  RETURNS boolean
  LANGUAGE plpgsql
- SET search_path TO 'pg_catalog', 'public', 'pg_temp'
+ SET search_path TO 'public', 'pg_catalog', 'pg_temp'
 AS $function$
 BEGIN
     PERFORM wd_require_read_committed();
-    PERFORM pg_catalog.pg_advisory_xact_lock_shared(wd_community_deletion_key(p_community_id));
+    PERFORM pg_advisory_xact_lock_shared(wd_community_deletion_key(p_community_id));
     RETURN EXISTS (
         SELECT 1 FROM communities WHERE id = p_community_id AND deletion_state = 'active'
     );
@@ -241,7 +246,7 @@ $function$;
 CREATE OR REPLACE FUNCTION public.wd_agent_standing(p_community_id uuid, p_pubkey bytea)
  RETURNS text
  LANGUAGE plpgsql
- SET search_path TO 'pg_catalog', 'public', 'pg_temp'
+ SET search_path TO 'public', 'pg_catalog', 'pg_temp'
 AS $function$
 BEGIN
     IF p_community_id IS NULL THEN
@@ -259,17 +264,17 @@ $function$;
 CREATE OR REPLACE FUNCTION public.wd_backend_holds_community_deletion_lock(p_community_id uuid)
  RETURNS boolean
  LANGUAGE sql
- SET search_path TO 'pg_catalog', 'public', 'pg_temp'
+ SET search_path TO 'public', 'pg_catalog', 'pg_temp'
 AS $function$
     SELECT EXISTS (
         SELECT 1
           FROM pg_locks l
           CROSS JOIN (SELECT wd_community_deletion_key(p_community_id) AS k) key
          WHERE l.locktype = 'advisory'
-           AND l.pid = pg_catalog.pg_backend_pid()
+           AND l.pid = pg_backend_pid()
            AND l.mode = 'ExclusiveLock'
            AND l.granted
-           AND l.database = (SELECT oid FROM pg_database WHERE datname = pg_catalog.current_database())
+           AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
            AND l.objsubid = 1
            AND l.classid = ((key.k >> 32) & 4294967295)::oid
            AND l.objid = (key.k & 4294967295)::oid
@@ -280,20 +285,20 @@ CREATE OR REPLACE FUNCTION public.wd_community_deletion_key(p_community_id uuid)
  RETURNS bigint
  LANGUAGE sql
  IMMUTABLE PARALLEL SAFE
- SET search_path TO 'pg_catalog', 'public', 'pg_temp'
-AS $function$ SELECT pg_catalog.hashtextextended('workflow_delivery.community_deletion:' || p_community_id::text, 0) $function$;
+ SET search_path TO 'public', 'pg_catalog', 'pg_temp'
+AS $function$ SELECT hashtextextended('workflow_delivery.community_deletion:' || p_community_id::text, 0) $function$;
 
 CREATE OR REPLACE FUNCTION public.wd_community_prune_allowed(p_community_id uuid)
  RETURNS boolean
  LANGUAGE plpgsql
- SET search_path TO 'pg_catalog', 'public', 'pg_temp'
+ SET search_path TO 'public', 'pg_catalog', 'pg_temp'
 AS $function$
 BEGIN
     PERFORM wd_require_read_committed();
     -- A try, never a wait: an executor holding the exclusive lock means this tenant
     -- is skipped for this sweep. Once held, the state is read with a fresh snapshot,
     -- so a transition committed just before is seen.
-    IF NOT pg_catalog.pg_try_advisory_xact_lock_shared(wd_community_deletion_key(p_community_id)) THEN
+    IF NOT pg_try_advisory_xact_lock_shared(wd_community_deletion_key(p_community_id)) THEN
         RETURN false;
     END IF;
     RETURN EXISTS (
@@ -306,7 +311,7 @@ CREATE OR REPLACE FUNCTION public.wd_community_roster_key(p_community_id uuid)
  RETURNS bigint
  LANGUAGE sql
  IMMUTABLE PARALLEL SAFE
- SET search_path TO 'pg_catalog', 'public', 'pg_temp'
+ SET search_path TO 'public', 'pg_catalog', 'pg_temp'
 AS $function$
     SELECT pg_catalog.hashtextextended(
         'workflow_delivery.community_roster:' || p_community_id::text, 0)
@@ -315,7 +320,7 @@ $function$;
 CREATE OR REPLACE FUNCTION public.wd_count_delivery_attempts()
  RETURNS trigger
  LANGUAGE plpgsql
- SET search_path TO 'pg_catalog', 'public', 'pg_temp'
+ SET search_path TO 'public', 'pg_catalog', 'pg_temp'
 AS $function$
 BEGIN
     IF TG_OP = 'INSERT' THEN
@@ -351,7 +356,7 @@ $function$;
 CREATE OR REPLACE FUNCTION public.wd_enforce_community_write_fence()
  RETURNS trigger
  LANGUAGE plpgsql
- SET search_path TO 'pg_catalog', 'public', 'pg_temp'
+ SET search_path TO 'public', 'pg_catalog', 'pg_temp'
 AS $function$
 DECLARE
     v_ids uuid[];
@@ -372,15 +377,15 @@ BEGIN
     FOREACH v_id IN ARRAY v_ids LOOP
         CONTINUE WHEN v_id IS NULL;
         PERFORM wd_require_read_committed();
-        PERFORM pg_catalog.pg_advisory_xact_lock_shared(wd_community_deletion_key(v_id));
+        PERFORM pg_advisory_xact_lock_shared(wd_community_deletion_key(v_id));
         SELECT host, deletion_state, deletion_fence_generation
           INTO v_host, v_state, v_generation
           FROM communities WHERE id = v_id;
         CONTINUE WHEN NOT FOUND OR v_state = 'active';
         -- The presentation names the executor; only the exclusive lock, held by this
         -- very transaction's backend, proves it is one (settings anyone can set).
-        IF pg_catalog.current_setting('workflow_delivery.executor_community', true) IS NOT DISTINCT FROM v_id::text
-           AND pg_catalog.current_setting('workflow_delivery.executor_generation', true)
+        IF current_setting('workflow_delivery.executor_community', true) IS NOT DISTINCT FROM v_id::text
+           AND current_setting('workflow_delivery.executor_generation', true)
                IS NOT DISTINCT FROM v_generation::text
            AND wd_holds_community_deletion_lock(v_id) THEN
             CONTINUE;
@@ -391,7 +396,7 @@ BEGIN
                   CONSTRAINT = 'wd_community_write_fence',
                   TABLE = TG_TABLE_NAME,
                   SCHEMA = TG_TABLE_SCHEMA,
-                  DETAIL = pg_catalog.format('community_id=%s deletion_state=%s', v_id, v_state);
+                  DETAIL = format('community_id=%s deletion_state=%s', v_id, v_state);
     END LOOP;
     IF TG_OP = 'DELETE' THEN
         RETURN OLD;
@@ -403,7 +408,7 @@ $function$;
 CREATE OR REPLACE FUNCTION public.wd_enforce_community_write_fence_on_insert()
  RETURNS trigger
  LANGUAGE plpgsql
- SET search_path TO 'pg_catalog', 'public', 'pg_temp'
+ SET search_path TO 'public', 'pg_catalog', 'pg_temp'
 AS $function$
 DECLARE
     v_id uuid;
@@ -418,7 +423,7 @@ $function$;
 CREATE OR REPLACE FUNCTION public.wd_enforce_one_message_per_step()
  RETURNS trigger
  LANGUAGE plpgsql
- SET search_path TO 'pg_catalog', 'public', 'pg_temp'
+ SET search_path TO 'public', 'pg_catalog', 'pg_temp'
 AS $function$
 DECLARE
     v_message bytea;
@@ -429,7 +434,7 @@ BEGIN
      LIMIT 1;
     IF FOUND AND v_message IS DISTINCT FROM NEW.message_event_id THEN
         RAISE EXCEPTION 'step % of run % already carries message %, not %: a step has one message',
-            NEW.step_id, NEW.run_id, pg_catalog.encode(v_message, 'hex'), pg_catalog.encode(NEW.message_event_id, 'hex')
+            NEW.step_id, NEW.run_id, encode(v_message, 'hex'), encode(NEW.message_event_id, 'hex')
             USING ERRCODE = 'check_violation',
                   CONSTRAINT = 'wd_delivery_one_message_per_step', TABLE = TG_TABLE_NAME;
     END IF;
@@ -441,7 +446,7 @@ CREATE OR REPLACE FUNCTION public.wd_first_keys(p_keys text[])
  RETURNS text
  LANGUAGE sql
  IMMUTABLE
- SET search_path TO 'pg_catalog', 'public', 'pg_temp'
+ SET search_path TO 'public', 'pg_catalog', 'pg_temp'
 AS $function$
     SELECT CASE
         WHEN p_keys IS NULL THEN 'none'
@@ -454,7 +459,7 @@ $function$;
 CREATE OR REPLACE FUNCTION public.wd_guard_community_lifecycle()
  RETURNS trigger
  LANGUAGE plpgsql
- SET search_path TO 'pg_catalog', 'public', 'pg_temp'
+ SET search_path TO 'public', 'pg_catalog', 'pg_temp'
 AS $function$
 DECLARE
     v_rank CONSTANT jsonb := '{"active": 0, "quiescing": 1, "fenced": 2, "tombstone": 3}';
@@ -501,15 +506,40 @@ BEGIN
         -- The exclusive deletion lock waits for every writer that passed the fence
         -- (they hold the shared lock to commit) and holds new ones until we commit.
         PERFORM wd_require_read_committed();
-        PERFORM pg_catalog.pg_advisory_xact_lock(wd_community_deletion_key(OLD.id));
+        PERFORM pg_advisory_xact_lock(wd_community_deletion_key(OLD.id));
         IF NEW.deletion_fence_generation = OLD.deletion_fence_generation THEN
             NEW.deletion_fence_generation := OLD.deletion_fence_generation + 1;
         END IF;
         IF NEW.deletion_state = 'tombstone' AND NEW.deleted_at IS NULL THEN
-            NEW.deleted_at := pg_catalog.now();
+            NEW.deleted_at := now();
         END IF;
     END IF;
     RETURN NEW;
+END
+$function$;
+
+CREATE OR REPLACE FUNCTION public.wd_guard_delivery_retry()
+ RETURNS trigger
+ LANGUAGE plpgsql
+ SET search_path TO 'public', 'pg_catalog', 'pg_temp'
+AS $function$
+BEGIN
+    IF OLD.status = 'finished' AND NEW.status IS DISTINCT FROM OLD.status THEN
+        RETURN NULL;  -- wd_delivery_transition_guard refuses it, as terminal once
+    END IF;
+    IF OLD.status = 'failed' AND NEW.status = 'pending'
+       AND NEW.lease_generation > OLD.lease_generation
+       AND NEW.attempts = OLD.attempts AND NEW.attempts_at_retry = OLD.attempts
+       AND (NEW.last_error_type, NEW.last_error_message, NEW.last_error_at)
+           IS NOT DISTINCT FROM (OLD.last_error_type, OLD.last_error_message, OLD.last_error_at)
+    THEN
+        RETURN NULL;
+    END IF;
+    RAISE EXCEPTION 'delivery %: only a retry of a failed delivery renews its attempts, and it bumps lease_generation, sets attempts_at_retry to attempts and keeps the recorded error (% -> %, generation % -> %, attempts_at_retry % -> %)',
+        OLD.id, OLD.status, NEW.status, OLD.lease_generation, NEW.lease_generation,
+        OLD.attempts_at_retry, NEW.attempts_at_retry
+        USING ERRCODE = 'check_violation',
+              CONSTRAINT = 'wd_delivery_retry_renews', TABLE = TG_TABLE_NAME;
 END
 $function$;
 
@@ -517,15 +547,15 @@ CREATE OR REPLACE FUNCTION public.wd_holds_community_deletion_lock(p_community_i
  RETURNS boolean
  LANGUAGE sql
  SECURITY DEFINER
- SET search_path TO 'pg_catalog', 'public', 'pg_temp'
+ SET search_path TO 'public', 'pg_catalog', 'pg_temp'
 AS $function$
     SELECT wd_backend_holds_community_deletion_lock(p_community_id)
        AND EXISTS (
            SELECT 1
              FROM wd_executor_presentations p
              JOIN communities c ON c.id = p.executor_of
-            WHERE p.backend_pid = pg_catalog.pg_backend_pid()
-              AND p.transaction_id = pg_catalog.pg_current_xact_id_if_assigned()
+            WHERE p.backend_pid = pg_backend_pid()
+              AND p.transaction_id = pg_current_xact_id_if_assigned()
               AND p.executor_of = p_community_id
               AND p.fence_generation = c.deletion_fence_generation
        )
@@ -535,7 +565,7 @@ COMMENT ON FUNCTION wd_holds_community_deletion_lock(uuid) IS 'True when this tr
 CREATE OR REPLACE FUNCTION public.wd_lock_roster_shared(p_community_id uuid)
  RETURNS void
  LANGUAGE plpgsql
- SET search_path TO 'pg_catalog', 'public', 'pg_temp'
+ SET search_path TO 'public', 'pg_catalog', 'pg_temp'
 AS $function$
 BEGIN
     -- The deletion lock first, as every writer takes it (the fence), then the
@@ -551,7 +581,7 @@ CREATE OR REPLACE FUNCTION public.wd_present_executor(p_community_id uuid, p_gen
  RETURNS void
  LANGUAGE plpgsql
  SECURITY DEFINER
- SET search_path TO 'pg_catalog', 'public', 'pg_temp'
+ SET search_path TO 'public', 'pg_catalog', 'pg_temp'
 AS $function$
 BEGIN
     IF NOT wd_backend_holds_community_deletion_lock(p_community_id) THEN
@@ -561,14 +591,14 @@ BEGIN
                   CONSTRAINT = 'wd_executor_requires_deletion_lock';
     END IF;
     DELETE FROM wd_executor_presentations
-     WHERE backend_pid = pg_catalog.pg_backend_pid() AND transaction_id <> pg_catalog.pg_current_xact_id();
+     WHERE backend_pid = pg_backend_pid() AND transaction_id <> pg_current_xact_id();
     INSERT INTO wd_executor_presentations (backend_pid, transaction_id, executor_of, fence_generation)
-    VALUES (pg_catalog.pg_backend_pid(), pg_catalog.pg_current_xact_id(), p_community_id, p_generation)
+    VALUES (pg_backend_pid(), pg_current_xact_id(), p_community_id, p_generation)
     ON CONFLICT ON CONSTRAINT wd_executor_presentation_per_transaction
     DO UPDATE SET fence_generation = EXCLUDED.fence_generation;
     -- What the fence compares first (and what a reader of the session sees).
-    PERFORM pg_catalog.set_config('workflow_delivery.executor_community', p_community_id::text, true),
-            pg_catalog.set_config('workflow_delivery.executor_generation', p_generation::text, true);
+    PERFORM set_config('workflow_delivery.executor_community', p_community_id::text, true),
+            set_config('workflow_delivery.executor_generation', p_generation::text, true);
 END
 $function$;
 REVOKE EXECUTE ON FUNCTION wd_present_executor(uuid,bigint) FROM PUBLIC;
@@ -576,10 +606,10 @@ REVOKE EXECUTE ON FUNCTION wd_present_executor(uuid,bigint) FROM PUBLIC;
 CREATE OR REPLACE FUNCTION public.wd_record_delivery_departure()
  RETURNS trigger
  LANGUAGE plpgsql
- SET search_path TO 'pg_catalog', 'public', 'pg_temp'
+ SET search_path TO 'public', 'pg_catalog', 'pg_temp'
 AS $function$
 DECLARE
-    v_actor text := nullif(pg_catalog.current_setting('workflow_delivery.actor', true), '');
+    v_actor text := nullif(current_setting('workflow_delivery.actor', true), '');
     v_operator boolean;
     v_recorded boolean;
     v_claim boolean;
@@ -590,7 +620,7 @@ BEGIN
         INSERT INTO "public".workflow_delivery_timeline
             (community_id, delivery_id, at, kind, generation, attempts, status_before,
              status_after, actor)
-        VALUES (NEW.community_id, NEW.id, pg_catalog.clock_timestamp(), 'committed', NEW.lease_generation,
+        VALUES (NEW.community_id, NEW.id, clock_timestamp(), 'committed', NEW.lease_generation,
                 NEW.attempts, NULL, NEW.status, coalesce(v_actor, 'producer'));
         RETURN NULL;
     END IF;
@@ -613,7 +643,7 @@ BEGIN
         v_kind := 'retried';
     ELSIF NEW.status = 'pending' THEN
         -- Unnamed (a raw UPDATE): judged by the lease it took away.
-        IF v_actor = 'reaper' OR (v_actor IS NULL AND OLD.lease_until < pg_catalog.now()) THEN
+        IF v_actor = 'reaper' OR (v_actor IS NULL AND OLD.lease_until < now()) THEN
             v_kind := 'reaped';
         ELSE
             v_kind := 'released';
@@ -639,7 +669,7 @@ BEGIN
         (1, v_claim, OLD.community_id, OLD.id, coalesce(OLD.last_claimed_at, OLD.claimed_at),
          'claimed', OLD.lease_generation, OLD.attempts, 'pending', 'claimed', 'holder',
          NULL::text, NULL::text, NULL::text),
-        (2, v_kind IS NOT NULL, NEW.community_id, NEW.id, pg_catalog.clock_timestamp(), v_kind,
+        (2, v_kind IS NOT NULL, NEW.community_id, NEW.id, clock_timestamp(), v_kind,
          NEW.lease_generation, NEW.attempts, OLD.status, NEW.status,
          coalesce(v_actor, CASE WHEN NEW.status = 'claimed' THEN 'holder'
                                 WHEN NEW.status = 'pending' AND v_recorded THEN 'holder'
@@ -649,7 +679,7 @@ BEGIN
          CASE WHEN v_carries THEN NEW.last_error_type END,
          CASE WHEN v_carries THEN NEW.last_error_message END,
          CASE WHEN v_carries
-              THEN nullif(pg_catalog.current_setting('workflow_delivery.error_traceback', true), '') END)
+              THEN nullif(current_setting('workflow_delivery.error_traceback', true), '') END)
     ) AS v (n, wanted, community_id, delivery_id, at, kind, generation, attempts, status_before,
             status_after, actor, error_type, error_message, error_traceback)
      WHERE v.wanted
@@ -661,10 +691,10 @@ $function$;
 CREATE OR REPLACE FUNCTION public.wd_refuse_foreign_executor_presentation()
  RETURNS trigger
  LANGUAGE plpgsql
- SET search_path TO 'pg_catalog', 'public', 'pg_temp'
+ SET search_path TO 'public', 'pg_catalog', 'pg_temp'
 AS $function$
 BEGIN
-    IF current_user <> (SELECT pg_catalog.pg_get_userbyid(relowner) FROM pg_class WHERE oid = TG_RELID) THEN
+    IF current_user <> (SELECT pg_get_userbyid(relowner) FROM pg_class WHERE oid = TG_RELID) THEN
         RAISE EXCEPTION 'only wd_present_executor() records an executor presentation, not %',
             current_user
             USING ERRCODE = 'insufficient_privilege',
@@ -678,7 +708,7 @@ $function$;
 CREATE OR REPLACE FUNCTION public.wd_refuse_request(p_code text)
  RETURNS boolean
  LANGUAGE plpgsql
- SET search_path TO 'pg_catalog', 'public', 'pg_temp'
+ SET search_path TO 'public', 'pg_catalog', 'pg_temp'
 AS $function$
 BEGIN
     RAISE EXCEPTION USING
@@ -691,7 +721,7 @@ $function$;
 CREATE OR REPLACE FUNCTION public.wd_reject_delivery_transition()
  RETURNS trigger
  LANGUAGE plpgsql
- SET search_path TO 'pg_catalog', 'public', 'pg_temp'
+ SET search_path TO 'public', 'pg_catalog', 'pg_temp'
 AS $function$
 BEGIN
     IF NEW.lease_generation < OLD.lease_generation THEN
@@ -715,7 +745,7 @@ $function$;
 CREATE OR REPLACE FUNCTION public.wd_require_community_write(p_community_id uuid, p_operation text, p_table text, p_schema text)
  RETURNS void
  LANGUAGE plpgsql
- SET search_path TO 'pg_catalog', 'public', 'pg_temp'
+ SET search_path TO 'public', 'pg_catalog', 'pg_temp'
 AS $function$
 DECLARE
     v_host text;
@@ -726,16 +756,16 @@ BEGIN
         RETURN;
     END IF;
     PERFORM wd_require_read_committed();
-    PERFORM pg_catalog.pg_advisory_xact_lock_shared(wd_community_deletion_key(p_community_id));
+    PERFORM pg_advisory_xact_lock_shared(wd_community_deletion_key(p_community_id));
     SELECT host, deletion_state, deletion_fence_generation
       INTO v_host, v_state, v_generation
       FROM communities WHERE id = p_community_id;
     IF NOT FOUND OR v_state = 'active' THEN
         RETURN;
     END IF;
-    IF pg_catalog.current_setting('workflow_delivery.executor_community', true)
+    IF current_setting('workflow_delivery.executor_community', true)
            IS NOT DISTINCT FROM p_community_id::text
-       AND pg_catalog.current_setting('workflow_delivery.executor_generation', true)
+       AND current_setting('workflow_delivery.executor_generation', true)
            IS NOT DISTINCT FROM v_generation::text
        AND wd_holds_community_deletion_lock(p_community_id) THEN
         RETURN;
@@ -746,14 +776,14 @@ BEGIN
               CONSTRAINT = 'wd_community_write_fence',
               TABLE = p_table,
               SCHEMA = p_schema,
-              DETAIL = pg_catalog.format('community_id=%s deletion_state=%s', p_community_id, v_state);
+              DETAIL = format('community_id=%s deletion_state=%s', p_community_id, v_state);
 END
 $function$;
 
 CREATE OR REPLACE FUNCTION public.wd_require_enrolled(p_community_id uuid, p_targets bytea[])
  RETURNS void
  LANGUAGE plpgsql
- SET search_path TO 'pg_catalog', 'public', 'pg_temp'
+ SET search_path TO 'public', 'pg_catalog', 'pg_temp'
 AS $function$
 DECLARE
     v_unknown text[];
@@ -792,7 +822,7 @@ $function$;
 CREATE OR REPLACE FUNCTION public.wd_require_enrolled_target()
  RETURNS trigger
  LANGUAGE plpgsql
- SET search_path TO 'pg_catalog', 'public', 'pg_temp'
+ SET search_path TO 'public', 'pg_catalog', 'pg_temp'
 AS $function$
 BEGIN
     PERFORM "public".wd_require_enrolled(NEW.community_id, ARRAY[NEW.target_pubkey]);
@@ -803,7 +833,7 @@ $function$;
 CREATE OR REPLACE FUNCTION public.wd_require_enrolled_targets()
  RETURNS trigger
  LANGUAGE plpgsql
- SET search_path TO 'pg_catalog', 'public', 'pg_temp'
+ SET search_path TO 'public', 'pg_catalog', 'pg_temp'
 AS $function$
 DECLARE
     v_community uuid;
@@ -822,12 +852,12 @@ $function$;
 CREATE OR REPLACE FUNCTION public.wd_require_read_committed()
  RETURNS void
  LANGUAGE plpgsql
- SET search_path TO 'pg_catalog', 'public', 'pg_temp'
+ SET search_path TO 'public', 'pg_catalog', 'pg_temp'
 AS $function$
 BEGIN
-    IF pg_catalog.current_setting('transaction_isolation') <> 'read committed' THEN
+    IF current_setting('transaction_isolation') <> 'read committed' THEN
         RAISE EXCEPTION 'the community write fence needs READ COMMITTED isolation, this transaction runs at %',
-            pg_catalog.upper(pg_catalog.current_setting('transaction_isolation'))
+            upper(current_setting('transaction_isolation'))
             USING ERRCODE = 'invalid_transaction_state',
                   HINT = 'Run fenced statements in a READ COMMITTED transaction (the PostgreSQL default).';
     END IF;
@@ -838,12 +868,12 @@ CREATE OR REPLACE FUNCTION public.wd_withdraw_executor()
  RETURNS void
  LANGUAGE plpgsql
  SECURITY DEFINER
- SET search_path TO 'pg_catalog', 'public', 'pg_temp'
+ SET search_path TO 'public', 'pg_catalog', 'pg_temp'
 AS $function$
 BEGIN
-    DELETE FROM wd_executor_presentations WHERE backend_pid = pg_catalog.pg_backend_pid();
-    PERFORM pg_catalog.set_config('workflow_delivery.executor_community', '', true),
-            pg_catalog.set_config('workflow_delivery.executor_generation', '', true);
+    DELETE FROM wd_executor_presentations WHERE backend_pid = pg_backend_pid();
+    PERFORM set_config('workflow_delivery.executor_community', '', true),
+            set_config('workflow_delivery.executor_generation', '', true);
 END
 $function$;
 REVOKE EXECUTE ON FUNCTION wd_withdraw_executor() FROM PUBLIC;
@@ -865,11 +895,12 @@ CREATE TRIGGER wd_community_write_fence_insert AFTER INSERT ON public.workflow_a
 CREATE TRIGGER wd_delivery_attempts BEFORE UPDATE ON public.workflow_agent_deliveries FOR EACH ROW WHEN ((((old.status = 'pending'::text) AND (new.status = 'claimed'::text)) OR ((new.attempts IS DISTINCT FROM old.attempts) AND (new.attempts >= 0)) OR (new.last_claimed_at IS DISTINCT FROM old.last_claimed_at))) EXECUTE FUNCTION wd_count_delivery_attempts();
 CREATE TRIGGER wd_delivery_attempts_start BEFORE INSERT ON public.workflow_agent_deliveries FOR EACH ROW WHEN (((new.attempts > 0) OR (new.last_claimed_at IS NOT NULL))) EXECUTE FUNCTION wd_count_delivery_attempts();
 CREATE TRIGGER wd_delivery_one_message_per_step BEFORE INSERT ON public.workflow_agent_deliveries FOR EACH ROW EXECUTE FUNCTION wd_enforce_one_message_per_step();
+CREATE TRIGGER wd_delivery_retry_guard AFTER UPDATE ON public.workflow_agent_deliveries FOR EACH ROW WHEN ((((old.status = 'failed'::text) AND (new.status = 'pending'::text)) OR (new.attempts_at_retry IS DISTINCT FROM old.attempts_at_retry))) EXECUTE FUNCTION wd_guard_delivery_retry();
 CREATE TRIGGER wd_delivery_target_enrolled_insert AFTER INSERT ON public.workflow_agent_deliveries REFERENCING NEW TABLE AS created FOR EACH STATEMENT EXECUTE FUNCTION wd_require_enrolled_targets();
 CREATE TRIGGER wd_delivery_target_enrolled_update AFTER UPDATE OF target_pubkey ON public.workflow_agent_deliveries FOR EACH ROW WHEN ((new.target_pubkey IS DISTINCT FROM old.target_pubkey)) EXECUTE FUNCTION wd_require_enrolled_target();
 CREATE TRIGGER wd_delivery_timeline AFTER UPDATE ON public.workflow_agent_deliveries FOR EACH ROW WHEN ((((new.status IS DISTINCT FROM old.status) OR ((old.status = 'claimed'::text) AND (new.lease_generation <> old.lease_generation))) AND (current_setting('workflow_delivery.timeline'::text, true) IS DISTINCT FROM 'off'::text) AND (NOT ((COALESCE(current_setting('workflow_delivery.actor'::text, true), ''::text) = ''::text) AND (((old.status = 'pending'::text) AND (new.status = 'claimed'::text)) OR ((old.status = 'claimed'::text) AND (new.status = ANY (ARRAY['finished'::text, 'failed'::text])) AND (new.lease_generation = old.lease_generation) AND (NOT (new.last_error_at IS DISTINCT FROM old.last_error_at)))))) AND (current_setting('workflow_delivery.recorded_by_statement'::text, true) IS DISTINCT FROM 'on'::text))) EXECUTE FUNCTION wd_record_delivery_departure();
 CREATE TRIGGER wd_delivery_timeline_commit AFTER INSERT ON public.workflow_agent_deliveries FOR EACH ROW WHEN (((current_setting('workflow_delivery.timeline'::text, true) IS DISTINCT FROM 'off'::text) AND (NOT ((new.status = 'pending'::text) AND (new.lease_generation = 0) AND (COALESCE(current_setting('workflow_delivery.actor'::text, true), ''::text) = ''::text))))) EXECUTE FUNCTION wd_record_delivery_departure();
-CREATE TRIGGER wd_delivery_transition_guard AFTER UPDATE ON public.workflow_agent_deliveries FOR EACH ROW WHEN (((new.lease_generation < old.lease_generation) OR ((new.id IS DISTINCT FROM old.id) OR (new.community_id IS DISTINCT FROM old.community_id)) OR ((old.status = ANY (ARRAY['finished'::text, 'failed'::text])) AND (((((new.status IS DISTINCT FROM old.status) OR (new.finished_at IS DISTINCT FROM old.finished_at)) OR (new.last_error_type IS DISTINCT FROM old.last_error_type)) OR (new.last_error_message IS DISTINCT FROM old.last_error_message)) OR (new.last_error_at IS DISTINCT FROM old.last_error_at))))) EXECUTE FUNCTION wd_reject_delivery_transition();
+CREATE TRIGGER wd_delivery_transition_guard AFTER UPDATE ON public.workflow_agent_deliveries FOR EACH ROW WHEN (((new.lease_generation < old.lease_generation) OR ((new.id IS DISTINCT FROM old.id) OR (new.community_id IS DISTINCT FROM old.community_id)) OR ((old.status = ANY (ARRAY['finished'::text, 'failed'::text])) AND (NOT ((old.status = 'failed'::text) AND (new.status = 'pending'::text))) AND (((((new.status IS DISTINCT FROM old.status) OR (new.finished_at IS DISTINCT FROM old.finished_at)) OR (new.last_error_type IS DISTINCT FROM old.last_error_type)) OR (new.last_error_message IS DISTINCT FROM old.last_error_message)) OR (new.last_error_at IS DISTINCT FROM old.last_error_at))))) EXECUTE FUNCTION wd_reject_delivery_transition();
 
 CREATE TRIGGER wd_community_write_fence BEFORE INSERT OR DELETE OR UPDATE ON public.workflow_delivery_idle_wake_targets FOR EACH ROW EXECUTE FUNCTION wd_enforce_community_write_fence();
 

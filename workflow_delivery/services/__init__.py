@@ -5,7 +5,7 @@
 - ``holder``: what an agent does with a delivery: claim, renew, finish, retry, give
   back, hold its row for fenced effects, wait idle, read it;
 - ``maintenance``: the reaper's and the prune command's sweeps;
-- ``operator``: the admin's bulk release and fail;
+- ``operator``: the admin's bulk release, fail and retry;
 - ``replay``: the signed API's request admission and replay guard.
 
 Import the functions from here. They own their transaction (or join the caller's),
@@ -37,7 +37,7 @@ from .maintenance import (
     reap_deliveries,
     reap_expired_deliveries,
 )
-from .operator import fail_deliveries, release_deliveries
+from .operator import fail_deliveries, release_deliveries, retry_failed_deliveries
 from .producer import StepIdentity, commit_deliveries, delivery_identity
 from .replay import admit_request_event, prune_replay_guard, record_request_event
 from .sending import send_message
@@ -70,5 +70,6 @@ __all__ = [
     "release_lease",
     "renew_delivery",
     "retry_delivery",
+    "retry_failed_deliveries",
     "send_message",
 ]

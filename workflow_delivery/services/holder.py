@@ -323,8 +323,8 @@ def retry_delivery(
     ``attempts_exhausted``), as the reaper settles such a lease. A lease that is no
     longer live changes nothing (``LeaseLost``).
 
-    Only a live lease is retried: a settled delivery never reopens. To try a failed
-    delivery again, commit a new delivery for the same message under a new step id."""
+    Only a live lease is retried: a settled delivery never reopens here. An operator
+    returns a failed one to pending with ``retry_failed_deliveries``."""
     params = _lease_params(lease)
     report = error_report(error)
     if delay_seconds is not None and not is_delay_seconds(delay_seconds):

@@ -4,9 +4,13 @@ of it per target, atomically and idempotently under a key the caller chooses.
 What a delivery refers to is made on first use, in the same transaction:
 
 * the **run**: ``uuid5(community, key)``, unless the caller names an existing run;
+  an id another community's row holds is passed over for the next one derived
+  (``run_id_for(community, key, 1)``, …), the first the community holds winning, so
+  a retry finds the run its first call made;
 * the **step**: the idempotency key itself (so a key is 1 to 64 characters);
-* the **workflow**: one per community, ``send_message``, with a deterministic id,
-  inserted once (``ON CONFLICT DO NOTHING``), unless the caller names one;
+* the **workflow**: one per community, ``send_message``, with a deterministic id
+  (derived in turn the same way), inserted once (``ON CONFLICT DO NOTHING``), unless
+  the caller names one;
 * the **message event** (kind 9 by default): its tags name each target
   (``["p", <hex>, "", "message-v1"]``), then ``["run", <run id>, <step>]`` so the
   message is found from its run, then the caller's tags. Its id is the NIP-01 id of
@@ -76,14 +80,47 @@ MAX_TARGETS = MAX_BATCH_SIZE
 MAX_KIND = 65535
 
 
-def workflow_id_for(community_id: UUID) -> UUID:
-    """The id of the community's ``send_message`` workflow."""
-    return uuid.uuid5(NAMESPACE, f"workflow/{community_id}")
+# Ids are global keys: the ids derived for a community, the first one onwards, are
+# tried in turn while another community's row holds them.
+DERIVED_IDS = 16
 
 
-def run_id_for(community_id: UUID, idempotency_key: str) -> UUID:
-    """The id of the run ``send_message`` makes for one idempotency key."""
-    return uuid.uuid5(NAMESPACE, f"run/{community_id}/{idempotency_key}")
+def workflow_id_for(community_id: UUID, attempt: int = 0) -> UUID:
+    """The id of the community's ``send_message`` workflow (its ``attempt``-th candidate)."""
+    suffix = f"\x00{attempt}" if attempt else ""
+    return uuid.uuid5(NAMESPACE, f"workflow/{community_id}{suffix}")
+
+
+def run_id_for(community_id: UUID, idempotency_key: str, attempt: int = 0) -> UUID:
+    """The id of the run ``send_message`` makes for one idempotency key (its
+    ``attempt``-th candidate; a key holds no NUL, so no two names meet)."""
+    suffix = f"\x00{attempt}" if attempt else ""
+    return uuid.uuid5(NAMESPACE, f"run/{community_id}/{idempotency_key}{suffix}")
+
+
+def _derived_id(
+    model: type[Workflow | WorkflowRun], community_id: UUID, candidates: list[UUID], using: str
+) -> UUID | None:
+    """The first candidate the community holds, else the first nobody holds, else None."""
+    holders = dict(
+        model.objects.using(using).filter(id__in=candidates).values_list("id", "community_id")
+    )
+    for candidate in candidates:
+        if holders.get(candidate) == community_id:
+            return candidate
+    return next((candidate for candidate in candidates if candidate not in holders), None)
+
+
+def _derived_run_id(community_id: UUID, key: str, using: str) -> UUID:
+    candidates = [run_id_for(community_id, key, attempt) for attempt in range(DERIVED_IDS)]
+    found = _derived_id(WorkflowRun, community_id, candidates, using)
+    if found is None:
+        raise IdempotencyConflict(
+            "idempotency_key",
+            f"every run id derived from {key!r} is another community's run; "
+            "send under another key, or name a run_id",
+        )
+    return found
 
 
 def _text(field: str, value: object) -> str:
@@ -214,13 +251,12 @@ def _message_tags(targets: list[bytes], run_id: UUID, step_id: str, tags: Tags) 
     return [*addressed, ["run", str(run_id), step_id], *tags]
 
 
-def _own_tags(message: MessageEvent) -> Tags:
-    """The tags of a message that ``send_message`` did not derive from its targets and run."""
-    return [
-        tag
-        for tag in message.tags
-        if MESSAGE_V1_MARKER not in tag[1:] and not (tag[:1] == ["run"] and len(tag) == 3)
-    ]
+def _own_tags(message: MessageEvent, run_id: UUID, step_id: str) -> Tags:
+    """The caller's tags of a message ``send_message`` made: what follows its derived
+    run tag, the caller's own ``run`` tags included."""
+    derived = ["run", str(run_id), step_id]
+    tags = [tag for tag in message.tags if MESSAGE_V1_MARKER not in tag[1:]]
+    return tags[tags.index(derived) + 1 :] if derived in tags else tags
 
 
 def _records(community_id: UUID, run_id: UUID, step_id: str, using: str) -> list[DeliveryRecord]:
@@ -263,7 +299,9 @@ def _message(row: Any) -> MessageEvent:
     )
 
 
-def _differences(request: dict[str, Any], message: MessageEvent, targets: set[bytes]) -> list[str]:
+def _differences(
+    request: dict[str, Any], message: MessageEvent, targets: set[bytes], run_id: UUID, step_id: str
+) -> list[str]:
     found = []
     if targets != set(request["targets"]):
         found.append("targets")
@@ -277,7 +315,7 @@ def _differences(request: dict[str, Any], message: MessageEvent, targets: set[by
         found.append("kind")
     if message.pubkey != request["sender"]:
         found.append("sender")
-    if _own_tags(message) != request["tags"]:
+    if _own_tags(message, run_id, step_id) != request["tags"]:
         found.append("tags")
     return found
 
@@ -288,7 +326,7 @@ def _already_sent(
     records = _records(community_id, run_id, key, using)
     message = _message_of(community_id, records[0], using)
     differences = _differences(
-        request, message, {record.binding.target_pubkey for record in records}
+        request, message, {record.binding.target_pubkey for record in records}, run_id, key
     )
     if differences:
         raise IdempotencyConflict(
@@ -329,7 +367,14 @@ def _workflow(community_id: UUID, workflow_id: UUID | None, using: str) -> UUID:
                 "workflow_id", f"no workflow {workflow_id} in community {community_id}"
             )
         return workflow_id
-    default = workflow_id_for(community_id)
+    candidates = [workflow_id_for(community_id, attempt) for attempt in range(DERIVED_IDS)]
+    default = _derived_id(Workflow, community_id, candidates, using)
+    if default is None:
+        raise ProtocolError(
+            "workflow_id",
+            f"every workflow id derived for community {community_id} is another "
+            "community's workflow; name a workflow_id",
+        )
     # Inserted by whichever first send gets there; a concurrent one waits on the key
     # and then does nothing.
     Workflow.objects.using(using).bulk_create(
@@ -344,6 +389,11 @@ def _workflow(community_id: UUID, workflow_id: UUID | None, using: str) -> UUID:
         ],
         ignore_conflicts=True,
     )
+    if not Workflow.objects.using(using).filter(community_id=community_id, id=default).exists():
+        raise ProtocolError(
+            "workflow_id",
+            f"workflow id {default} was taken by another community meanwhile; send again",
+        )
     return default
 
 
@@ -359,6 +409,11 @@ def _run(
             ignore_conflicts=True,
         )
     run = runs.only("id", "workflow_id", "definition_event_id").first()
+    if run is None and not given:
+        raise IdempotencyConflict(
+            "idempotency_key",
+            f"run id {run_id} was taken by another community meanwhile; send again",
+        )
     if run is None:
         raise ProtocolError("run_id", f"no run {run_id} in community {community_id}")
     if workflow_id is not None and run.workflow_id != workflow_id:
@@ -465,7 +520,7 @@ def send_message(
     _bounded(request)
     definition = _optional_bytes32("definition_event_id", definition_event_id)
     cause = _cause(cause)
-    run = run_id_for(community_id, key) if run_id is None else as_uuid("run_id", run_id)
+    run = _derived_run_id(community_id, key, using) if run_id is None else as_uuid("run_id", run_id)
     workflow = None if workflow_id is None else as_uuid("workflow_id", workflow_id)
 
     with delivery_identity(community_id, run, key, using=using) as identity:

@@ -398,10 +398,12 @@ _RECORD_ERROR = (
 RETRY = Statement(f"""
 WITH {_ERROR_NOTE}
 UPDATE {DELIVERIES} AS d
-   SET status = CASE WHEN d.attempts >= p.cap THEN 'failed' ELSE 'pending' END,
+   SET status = CASE WHEN d.attempts - d.attempts_at_retry >= p.cap THEN 'failed'
+                     ELSE 'pending' END,
        lease_generation = d.lease_generation + 1, lease_until = NULL, claimed_at = NULL,
-       finished_at = CASE WHEN d.attempts >= p.cap THEN statement_timestamp() END,
-       available_at = CASE WHEN d.attempts >= p.cap THEN NULL
+       finished_at = CASE WHEN d.attempts - d.attempts_at_retry >= p.cap
+                          THEN statement_timestamp() END,
+       available_at = CASE WHEN d.attempts - d.attempts_at_retry >= p.cap THEN NULL
            ELSE statement_timestamp() + make_interval(secs => coalesce(
                p.delay,
                least(p.most, p.base * power(2::float8, least(greatest(d.attempts - 1, 0), 60)))
@@ -554,7 +556,9 @@ def reap_batch(size: int, cap: int | None) -> Statement:
         raise TypeError(f"cap must be an int or None, not {cap!r}")
     # int() of an int subclass (an IntEnum, say) is the plain number, in digits.
     limit = str(int(size))
-    exhausted = f"d.attempts >= {'NULL' if cap is None else str(int(cap))}::integer"
+    exhausted = (
+        f"d.attempts - d.attempts_at_retry >= {'NULL' if cap is None else str(int(cap))}::integer"
+    )
     return Statement(f"""
 WITH recording AS MATERIALIZED (SELECT {_RECORDING_ON} AS name),
 -- Rows another transaction holds (a holder inside holding() past its lease) are
@@ -662,6 +666,44 @@ MARK_FAILED = _operator_statement(
     f"status = 'failed', lease_generation = d.lease_generation + 1, {_SETTLE}, available_at = NULL",
     "operator_failed",
 )
+
+# An operator's retry of chosen failed rows (admin, ``retry_deliveries``): back to
+# pending with the fence bumped and the attempts budget renewed, claimable at once,
+# the error of the last attempt kept; a finished row is never chosen (nor could it be
+# reopened: ``wd_delivery_transition_guard``). Its timeline entry carries ``reason``.
+# Parameters: ``community_id``, ``delivery_ids``, ``actor``, ``reason``.
+OPERATOR_RETRY = Statement(f"""
+WITH operable AS MATERIALIZED (
+    SELECT CASE WHEN pg_try_advisory_xact_lock_shared(
+                         wd_community_deletion_key(%(community_id)s::uuid))
+                THEN community_write_allowed(%(community_id)s::uuid) ELSE false END AS ok,
+           {_RECORDING_ON} AS recording
+),
+chosen AS (
+    SELECT d.id FROM {DELIVERIES} AS d
+     WHERE d.community_id = %(community_id)s AND d.id = ANY(%(delivery_ids)s)
+       AND d.status = 'failed' AND (SELECT ok FROM operable)
+       FOR UPDATE OF d
+),
+moved AS (
+    UPDATE {DELIVERIES} AS d
+       SET status = 'pending', lease_generation = d.lease_generation + 1,
+           finished_at = NULL, available_at = NULL, attempts_at_retry = d.attempts
+      FROM chosen
+     WHERE d.community_id = %(community_id)s AND d.id = chosen.id
+    RETURNING d.community_id, d.id, d.lease_generation, d.attempts
+),
+recorded AS (
+    INSERT INTO {TIMELINE}
+        (community_id, delivery_id, at, kind, generation, attempts, status_before,
+         status_after, actor, reason)
+    SELECT m.community_id, m.id, clock_timestamp(), 'operator_retried', m.lease_generation,
+           m.attempts, 'failed', 'pending', %(actor)s::text, %(reason)s::text
+      FROM moved AS m
+     WHERE current_setting('workflow_delivery.timeline', true) IS DISTINCT FROM 'off'
+),{_RECORDING_OFF}
+SELECT moved.id FROM moved, recording_done
+""")
 
 # One bounded batch of retention: terminal rows settled at or before the cut-off, of
 # communities that are active and whose deletion lock is free (tried, never waited
@@ -1032,7 +1074,10 @@ SELECT minutes.m, count(s.finished_at)
 # claim is the newest ``last_claimed_at`` of the target's claimed and pending rows and
 # of its settles in that window.
 _ERROR_COLUMNS = "last_error_type, last_error_message, last_error_at"
-_SETTLE_ROW = f"id, target_pubkey, status, attempts, finished_at, last_claimed_at, {_ERROR_COLUMNS}"
+_SETTLE_ROW = (
+    "id, target_pubkey, status, attempts, attempts_at_retry, finished_at, last_claimed_at, "
+    f"{_ERROR_COLUMNS}"
+)
 TARGET_STATE = Statement(f"""
 WITH community AS (
     SELECT host, deletion_state FROM {COMMUNITIES} WHERE id = %(community)s
@@ -1075,7 +1120,8 @@ settled AS (
            count(*) FILTER (WHERE target_pubkey = %(target)s) AS total,
            max(finished_at) FILTER (WHERE target_pubkey = %(target)s) AS last_settled,
            count(*) FILTER (
-               WHERE target_pubkey = %(target)s AND status = 'failed' AND attempts >= %(cap)s
+               WHERE target_pubkey = %(target)s AND status = 'failed'
+                 AND attempts - attempts_at_retry >= %(cap)s
            ) AS exhausted
       FROM recent
 ),

@@ -12,16 +12,23 @@ from django.db import connections
 from django.utils.module_loading import import_string
 
 from workflow_delivery import consumer as consumer_module
-from workflow_delivery.commandline import VERBOSITY_LEVELS, positive, stop_on_signals
+from workflow_delivery.commandline import (
+    VERBOSITY_LEVELS,
+    community_option,
+    positive,
+    stop_on_signals,
+)
 from workflow_delivery.consumer import Consumer, ConsumerStats
 from workflow_delivery.exceptions import ProtocolError
-from workflow_delivery.models import Community
-from workflow_delivery.protocol import as_uuid
+
+# How often --all-enrolled reads the roster again, in seconds.
+DEFAULT_ROSTER_INTERVAL = 5.0
 
 
 class Command(BaseCommand):
     help = (
-        "Claim and handle the deliveries of one or more targets in a community: the "
+        "Claim and handle the deliveries of one or more targets in a community (or, with "
+        "--all-enrolled, of every enabled agent of its roster, followed as it changes): the "
         "handler (a dotted path to a callable taking record, lease, context) runs under "
         "a heartbeat; returning settles finished, raising gives the delivery back to be "
         "retried after a backoff (until WORKFLOW_DELIVERY_MAX_ATTEMPTS, then failed), "
@@ -31,12 +38,23 @@ class Command(BaseCommand):
     )
 
     def add_arguments(self, parser: ArgumentParser) -> None:
-        parser.add_argument("--community", required=True, help="community UUID")
+        parser.add_argument("--community", required=True, help="the community's id or host")
         parser.add_argument(
             "--target",
             action="append",
-            required=True,
             help="target public key, 64 lowercase hex (repeat for several)",
+        )
+        parser.add_argument(
+            "--all-enrolled",
+            action="store_true",
+            help="serve every enabled agent of the community's roster, following "
+            "enrollments and revocations (instead of --target)",
+        )
+        parser.add_argument(
+            "--roster-interval",
+            type=float,
+            default=DEFAULT_ROSTER_INTERVAL,
+            help="with --all-enrolled, seconds between reads of the roster (default %(default)s)",
         )
         parser.add_argument("--handler", required=True, help="dotted path of the handler")
         parser.add_argument(
@@ -66,14 +84,14 @@ class Command(BaseCommand):
         parser.add_argument("--database", default="default", help="database alias")
 
     def handle(self, *args: Any, **options: Any) -> None:
-        try:
-            community_id = as_uuid("community", options["community"])
-        except ProtocolError:
-            raise CommandError(
-                f"--community must be a community UUID, not {options['community']!r}"
-            ) from None
+        if options["database"] not in connections:
+            raise CommandError(f"--database {options['database']!r} is not a configured alias")
+        community_id = community_option("--community", options["community"], options["database"])
+        if options["all_enrolled"] == bool(options["target"]):
+            raise CommandError("name the targets with --target, or serve --all-enrolled (one)")
+        positive("--roster-interval", options["roster_interval"], whole=False)
         targets = []
-        for value in options["target"]:
+        for value in options["target"] or ():
             try:
                 targets.append(bytes.fromhex(value) if len(value) == 64 else b"")
             except ValueError:
@@ -95,10 +113,6 @@ class Command(BaseCommand):
             positive("--max-deliveries", options["max_deliveries"], whole=True)
         if options["grace_seconds"] < 0:
             raise CommandError(f"--grace-seconds must be >= 0, not {options['grace_seconds']}")
-        if options["database"] not in connections:
-            raise CommandError(f"--database {options['database']!r} is not a configured alias")
-        if not Community.objects.using(options["database"]).filter(id=community_id).exists():
-            raise CommandError(f"--community {community_id} does not exist")
         self._last_line = ""
         self._tty = hasattr(self.stdout, "isatty") and self.stdout.isatty()
         try:
@@ -113,6 +127,7 @@ class Command(BaseCommand):
                 grace_seconds=options["grace_seconds"],
                 using=options["database"],
                 on_progress=self._progress if options["verbosity"] >= 1 else None,
+                roster_interval=options["roster_interval"] if options["all_enrolled"] else None,
             )
         except ProtocolError as exc:
             raise CommandError(str(exc)) from exc

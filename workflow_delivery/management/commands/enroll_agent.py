@@ -2,43 +2,20 @@
 
 from __future__ import annotations
 
-import uuid
 from argparse import ArgumentParser
 from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError
-from django.db.models.functions import Lower
 
 from workflow_delivery import roster
-from workflow_delivery.commandline import add_database_options, databases_option
+from workflow_delivery.commandline import add_database_options, community_option, databases_option
 from workflow_delivery.exceptions import (
     AgentNotEnrolled,
     CommunityNotFound,
     CommunityWriteFenced,
     ProtocolError,
 )
-from workflow_delivery.models import Community
 from workflow_delivery.protocol import RosterEntry
-
-
-def _community(value: str, using: str) -> uuid.UUID:
-    """A community by id or by host (any case)."""
-    communities = Community.objects.using(using)
-    try:
-        by_id = communities.filter(id=uuid.UUID(value))
-    except ValueError:
-        by_id = communities.none()
-    found = by_id.values_list("id", flat=True).first()
-    if found is None:
-        found = (
-            communities.annotate(lower_host=Lower("host"))
-            .filter(lower_host=value.lower())
-            .values_list("id", flat=True)
-            .first()
-        )
-    if found is None:
-        raise CommandError(f"community: no community has the id or host {value!r}")
-    return found
 
 
 def _pubkey(value: str) -> bytes:
@@ -82,7 +59,7 @@ class Command(BaseCommand):
             raise CommandError(
                 "--label is for enrolling; it cannot go with --revoke or --reinstate"
             )
-        community_id = _community(options["community"], alias)
+        community_id = community_option("community", options["community"], alias)
         keys = [_pubkey(value) for value in options["pubkeys"]]
         try:
             if options["revoke"]:
