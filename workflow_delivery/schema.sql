@@ -4,7 +4,7 @@
 -- scripts/dump_schema from a freshly migrated database; tests/test_schema_sql.py
 -- fails when a migration changes the schema and this file does not follow.
 -- Read it to review; the migrations are what build it.
--- Migrations applied: 19, the last 0019_request_refusal.
+-- Migrations applied: 20, the last 0022_event_json_content.
 
 -- Tables
 
@@ -42,7 +42,8 @@ CREATE TABLE events (
     pubkey bytea NOT NULL,
     content text NOT NULL,
     tags jsonb NOT NULL,
-    community_id uuid NOT NULL
+    community_id uuid NOT NULL,
+    content_json jsonb
 );
 
 CREATE TABLE wd_executor_presentations (
@@ -147,6 +148,11 @@ ALTER TABLE community_agents ADD CONSTRAINT wd_agent_community_fk FOREIGN KEY (c
 
 ALTER TABLE events ADD CONSTRAINT events_pkey PRIMARY KEY (id);
 ALTER TABLE events ADD CONSTRAINT wd_event_tenant_key UNIQUE (community_id, created_at, id);
+ALTER TABLE events ADD CONSTRAINT wd_event_content_json_is_content CHECK (
+CASE
+    WHEN (content_json IS NULL) THEN true
+    ELSE (content_json = (content)::jsonb)
+END);
 ALTER TABLE events ADD CONSTRAINT wd_event_id_32_bytes CHECK ((length(id) = 32));
 ALTER TABLE events ADD CONSTRAINT wd_event_kind_nonneg CHECK ((kind >= 0));
 ALTER TABLE events ADD CONSTRAINT wd_event_pubkey_32_bytes CHECK ((length(pubkey) = 32));

@@ -3,7 +3,8 @@
 ``content_json`` NULL, as every existing row does.
 
 ``wd_event_content_json_is_content``: a row holding a JSON value holds it in both
-columns, equal as ``jsonb`` compares them.
+columns, equal as ``jsonb`` compares them (a CASE, so text content is never parsed as
+JSON).
 
 Not atomic, so the constraint is added ``NOT VALID`` under a brief lock and then
 validated while writes go on (validation takes a lock that does not block them);
@@ -19,7 +20,8 @@ FORWARD = [
     """ALTER TABLE events
         DROP CONSTRAINT IF EXISTS wd_event_content_json_is_content,
         ADD CONSTRAINT wd_event_content_json_is_content
-            CHECK (content_json IS NULL OR content_json = content::jsonb) NOT VALID""",
+            CHECK (CASE WHEN content_json IS NULL THEN true
+                        ELSE content_json = content::jsonb END) NOT VALID""",
     "ALTER TABLE events VALIDATE CONSTRAINT wd_event_content_json_is_content",
 ]
 
