@@ -4,6 +4,7 @@ permission, that call ``services`` or ``fence`` and report "N done, M skipped"."
 
 from __future__ import annotations
 
+import json
 import operator
 import re
 import uuid
@@ -441,12 +442,20 @@ class EventAdmin(ReadOnlyAdmin):
         "created_at",
         "kind",
         hex_field("pubkey"),
-        "content",
+        "content_shown",
         "tags",
     ]
 
     def get_changelist(self, request: HttpRequest, **kwargs: Any) -> type[ChangeList]:
         return HexKeyChangeList
+
+    @admin.display(description="content")
+    def content_shown(self, event: Event) -> str | SafeString:
+        """Text as it is; a JSON value indented, its keys sorted."""
+        if event.content_json is None:
+            return event.content
+        shown = json.dumps(event.content_json, indent=2, sort_keys=True, ensure_ascii=False)
+        return format_html('<pre class="wd-json">{}</pre>', shown)
 
     def get_object(
         self, request: HttpRequest, object_id: str, from_field: str | None = None

@@ -8,8 +8,10 @@ delivery ``finished``. One that raises gives it back to be retried
 it has used ``WORKFLOW_DELIVERY_MAX_ATTEMPTS`` claims, when it settles ``failed``. A
 handler that raises ``PermanentFailure`` settles it ``failed`` at once, its error
 kept. A lease lost meanwhile settles nothing (the delivery is someone else's now).
-``context.lost`` is set as soon as the consumer learns the lease is gone, and
-``context.holding()`` gives the handler lease-fenced writes (see ``services.holding``).
+``context.message`` is the delivery's message (its text or JSON value, read when first
+asked for). ``context.lost`` is set as soon as the consumer learns the lease is gone,
+and ``context.holding()`` gives the handler lease-fenced writes (see
+``services.holding``).
 
 Waking: with ``listen`` (by default when ``WORKFLOW_DELIVERY_NOTIFY`` is on, as it is
 by default) the main thread listens for the producer's notifications (``wakeups``).
@@ -51,6 +53,7 @@ from .protocol import (
     Exhausted,
     Lease,
     LeaseLost,
+    MessageEvent,
     Outcome,
     Renewed,
     Retried,
@@ -115,6 +118,19 @@ class DeliveryContext:
         self.stopping = consumer._stopping
         self.settled: Settled | None = None
         self._consumer = consumer
+        self._message: MessageEvent | None = None
+        self._message_read = False
+
+    @property
+    def message(self) -> MessageEvent | None:
+        """The message the delivery carries (``content`` its text or its JSON value,
+        by ``content_kind``), read on first use; None if its event is not stored."""
+        if not self._message_read:
+            found = services.message_events(
+                self.record.binding.community_id, [self.record], using=self._consumer.using
+            )
+            self._message, self._message_read = found.get(self.record.id), True
+        return self._message
 
     @contextmanager
     def holding(self) -> Iterator[services.Held]:

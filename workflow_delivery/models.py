@@ -13,7 +13,7 @@ import uuid
 from django.contrib.postgres.functions import TransactionNow
 from django.db import models
 from django.db.models import F, Q
-from django.db.models.functions import Length, Lower
+from django.db.models.functions import Cast, Length, Lower
 from django.db.models.lookups import Exact, GreaterThanOrEqual, LessThanOrEqual
 
 from .protocol import (
@@ -209,6 +209,9 @@ class Event(models.Model):
     kind = models.IntegerField()
     pubkey = models.BinaryField()
     content = models.TextField(blank=True, default="")
+    # A message whose content is a JSON value: that value; ``content`` is then its
+    # encoding (the text the event id covers). NULL for text content.
+    content_json = models.JSONField(null=True, blank=True)
     tags = models.JSONField(default=list)
 
     class Meta:
@@ -221,6 +224,11 @@ class Event(models.Model):
             _bytes32("id", "wd_event_id_32_bytes"),
             _bytes32("pubkey", "wd_event_pubkey_32_bytes"),
             models.CheckConstraint(condition=Q(kind__gte=0), name="wd_event_kind_nonneg"),
+            models.CheckConstraint(
+                condition=Q(content_json__isnull=True)
+                | Q(content_json=Cast("content", models.JSONField())),
+                name="wd_event_content_json_is_content",
+            ),
         ]
 
     def __str__(self) -> str:

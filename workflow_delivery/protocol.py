@@ -14,7 +14,7 @@ import traceback
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from enum import StrEnum
-from typing import TypeAlias
+from typing import Any, TypeAlias
 from uuid import UUID
 
 from .exceptions import ProtocolError
@@ -32,6 +32,7 @@ __all__ = [
     "Cause",
     "CauseKind",
     "Claimed",
+    "ContentKind",
     "DeliveryBinding",
     "DeliveryRecord",
     "DeliveryStatus",
@@ -238,6 +239,13 @@ class Outcome(StrEnum):
     FAILED = "failed"
 
 
+class ContentKind(StrEnum):
+    """What a message's content is: text (a ``str``), or a JSON value."""
+
+    TEXT = "text"
+    JSON = "json"
+
+
 @dataclass(frozen=True, slots=True)
 class DeliveryBinding:
     """What one delivery is bound to: tenant, workflow run step, target, definition, message, cause.
@@ -363,14 +371,16 @@ class DeliveryRecord:
 
 @dataclass(frozen=True, slots=True)
 class MessageEvent:
-    """The visible message a delivery carries to its target, as stored."""
+    """The visible message a delivery carries to its target, as stored. ``content`` is
+    a ``str`` when ``content_kind`` is text, the decoded JSON value when it is JSON."""
 
     id: bytes
     pubkey: bytes
     created_at: datetime
     kind: int
     tags: Tags
-    content: str
+    content: Any
+    content_kind: ContentKind = ContentKind.TEXT
 
 
 @dataclass(frozen=True, slots=True)
@@ -722,17 +732,25 @@ def stored_lease(community_id: UUID, target_pubkey: bytes, record: DeliveryRecor
 
 
 def stored_message(
-    event_id: bytes, created_at: datetime, pubkey: bytes, kind: int, tags: str, content: str
+    event_id: bytes,
+    created_at: datetime,
+    pubkey: bytes,
+    kind: int,
+    tags: str,
+    content: str,
+    is_json: bool = False,
 ) -> MessageEvent:
     """A message event as a statement read it: the columns of ``store.statements.MESSAGE_EVENTS``
-    (``tags`` as JSON text), not re-validated."""
+    (``tags`` as JSON text; ``is_json`` whether the row holds a JSON value, whose
+    encoding ``content`` is), not re-validated."""
     return MessageEvent(
         id=bytes(event_id),
         pubkey=bytes(pubkey),
         created_at=created_at,
         kind=kind,
         tags=json.loads(tags),
-        content=content,
+        content=json.loads(content) if is_json else content,
+        content_kind=ContentKind.JSON if is_json else ContentKind.TEXT,
     )
 
 

@@ -4,7 +4,7 @@
 -- scripts/dump_schema from a freshly migrated database; tests/test_schema_sql.py
 -- fails when a migration changes the schema and this file does not follow.
 -- Read it to review; the migrations are what build it.
--- Migrations applied: 20, the last 0021_operator_retry.
+-- Migrations applied: 22, the last 0022_event_json_content.
 
 -- Tables
 
@@ -42,7 +42,8 @@ CREATE TABLE events (
     pubkey bytea NOT NULL,
     content text NOT NULL,
     tags jsonb NOT NULL,
-    community_id uuid NOT NULL
+    community_id uuid NOT NULL,
+    content_json jsonb
 );
 
 CREATE TABLE wd_executor_presentations (
@@ -149,6 +150,11 @@ ALTER TABLE community_agents ADD CONSTRAINT wd_agent_community_fk FOREIGN KEY (c
 
 ALTER TABLE events ADD CONSTRAINT events_pkey PRIMARY KEY (id);
 ALTER TABLE events ADD CONSTRAINT wd_event_tenant_key UNIQUE (community_id, created_at, id);
+ALTER TABLE events ADD CONSTRAINT wd_event_content_json_is_content CHECK (
+CASE
+    WHEN (content_json IS NULL) THEN true
+    ELSE (content_json = (content)::jsonb)
+END);
 ALTER TABLE events ADD CONSTRAINT wd_event_id_32_bytes CHECK ((length(id) = 32));
 ALTER TABLE events ADD CONSTRAINT wd_event_kind_nonneg CHECK ((kind >= 0));
 ALTER TABLE events ADD CONSTRAINT wd_event_pubkey_32_bytes CHECK ((length(pubkey) = 32));
@@ -232,11 +238,11 @@ CREATE INDEX wd_run_workflow_idx ON public.workflow_runs USING btree (community_
 CREATE OR REPLACE FUNCTION public.community_write_allowed(p_community_id uuid)
  RETURNS boolean
  LANGUAGE plpgsql
- SET search_path TO 'public', 'pg_catalog', 'pg_temp'
+ SET search_path TO 'pg_catalog', 'public', 'pg_temp'
 AS $function$
 BEGIN
     PERFORM wd_require_read_committed();
-    PERFORM pg_advisory_xact_lock_shared(wd_community_deletion_key(p_community_id));
+    PERFORM pg_catalog.pg_advisory_xact_lock_shared(wd_community_deletion_key(p_community_id));
     RETURN EXISTS (
         SELECT 1 FROM communities WHERE id = p_community_id AND deletion_state = 'active'
     );
@@ -246,7 +252,7 @@ $function$;
 CREATE OR REPLACE FUNCTION public.wd_agent_standing(p_community_id uuid, p_pubkey bytea)
  RETURNS text
  LANGUAGE plpgsql
- SET search_path TO 'public', 'pg_catalog', 'pg_temp'
+ SET search_path TO 'pg_catalog', 'public', 'pg_temp'
 AS $function$
 BEGIN
     IF p_community_id IS NULL THEN
@@ -264,17 +270,17 @@ $function$;
 CREATE OR REPLACE FUNCTION public.wd_backend_holds_community_deletion_lock(p_community_id uuid)
  RETURNS boolean
  LANGUAGE sql
- SET search_path TO 'public', 'pg_catalog', 'pg_temp'
+ SET search_path TO 'pg_catalog', 'public', 'pg_temp'
 AS $function$
     SELECT EXISTS (
         SELECT 1
           FROM pg_locks l
           CROSS JOIN (SELECT wd_community_deletion_key(p_community_id) AS k) key
          WHERE l.locktype = 'advisory'
-           AND l.pid = pg_backend_pid()
+           AND l.pid = pg_catalog.pg_backend_pid()
            AND l.mode = 'ExclusiveLock'
            AND l.granted
-           AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
+           AND l.database = (SELECT oid FROM pg_database WHERE datname = pg_catalog.current_database())
            AND l.objsubid = 1
            AND l.classid = ((key.k >> 32) & 4294967295)::oid
            AND l.objid = (key.k & 4294967295)::oid
@@ -285,20 +291,20 @@ CREATE OR REPLACE FUNCTION public.wd_community_deletion_key(p_community_id uuid)
  RETURNS bigint
  LANGUAGE sql
  IMMUTABLE PARALLEL SAFE
- SET search_path TO 'public', 'pg_catalog', 'pg_temp'
-AS $function$ SELECT hashtextextended('workflow_delivery.community_deletion:' || p_community_id::text, 0) $function$;
+ SET search_path TO 'pg_catalog', 'public', 'pg_temp'
+AS $function$ SELECT pg_catalog.hashtextextended('workflow_delivery.community_deletion:' || p_community_id::text, 0) $function$;
 
 CREATE OR REPLACE FUNCTION public.wd_community_prune_allowed(p_community_id uuid)
  RETURNS boolean
  LANGUAGE plpgsql
- SET search_path TO 'public', 'pg_catalog', 'pg_temp'
+ SET search_path TO 'pg_catalog', 'public', 'pg_temp'
 AS $function$
 BEGIN
     PERFORM wd_require_read_committed();
     -- A try, never a wait: an executor holding the exclusive lock means this tenant
     -- is skipped for this sweep. Once held, the state is read with a fresh snapshot,
     -- so a transition committed just before is seen.
-    IF NOT pg_try_advisory_xact_lock_shared(wd_community_deletion_key(p_community_id)) THEN
+    IF NOT pg_catalog.pg_try_advisory_xact_lock_shared(wd_community_deletion_key(p_community_id)) THEN
         RETURN false;
     END IF;
     RETURN EXISTS (
@@ -311,7 +317,7 @@ CREATE OR REPLACE FUNCTION public.wd_community_roster_key(p_community_id uuid)
  RETURNS bigint
  LANGUAGE sql
  IMMUTABLE PARALLEL SAFE
- SET search_path TO 'public', 'pg_catalog', 'pg_temp'
+ SET search_path TO 'pg_catalog', 'public', 'pg_temp'
 AS $function$
     SELECT pg_catalog.hashtextextended(
         'workflow_delivery.community_roster:' || p_community_id::text, 0)
@@ -320,7 +326,7 @@ $function$;
 CREATE OR REPLACE FUNCTION public.wd_count_delivery_attempts()
  RETURNS trigger
  LANGUAGE plpgsql
- SET search_path TO 'public', 'pg_catalog', 'pg_temp'
+ SET search_path TO 'pg_catalog', 'public', 'pg_temp'
 AS $function$
 BEGIN
     IF TG_OP = 'INSERT' THEN
@@ -356,7 +362,7 @@ $function$;
 CREATE OR REPLACE FUNCTION public.wd_enforce_community_write_fence()
  RETURNS trigger
  LANGUAGE plpgsql
- SET search_path TO 'public', 'pg_catalog', 'pg_temp'
+ SET search_path TO 'pg_catalog', 'public', 'pg_temp'
 AS $function$
 DECLARE
     v_ids uuid[];
@@ -377,15 +383,15 @@ BEGIN
     FOREACH v_id IN ARRAY v_ids LOOP
         CONTINUE WHEN v_id IS NULL;
         PERFORM wd_require_read_committed();
-        PERFORM pg_advisory_xact_lock_shared(wd_community_deletion_key(v_id));
+        PERFORM pg_catalog.pg_advisory_xact_lock_shared(wd_community_deletion_key(v_id));
         SELECT host, deletion_state, deletion_fence_generation
           INTO v_host, v_state, v_generation
           FROM communities WHERE id = v_id;
         CONTINUE WHEN NOT FOUND OR v_state = 'active';
         -- The presentation names the executor; only the exclusive lock, held by this
         -- very transaction's backend, proves it is one (settings anyone can set).
-        IF current_setting('workflow_delivery.executor_community', true) IS NOT DISTINCT FROM v_id::text
-           AND current_setting('workflow_delivery.executor_generation', true)
+        IF pg_catalog.current_setting('workflow_delivery.executor_community', true) IS NOT DISTINCT FROM v_id::text
+           AND pg_catalog.current_setting('workflow_delivery.executor_generation', true)
                IS NOT DISTINCT FROM v_generation::text
            AND wd_holds_community_deletion_lock(v_id) THEN
             CONTINUE;
@@ -396,7 +402,7 @@ BEGIN
                   CONSTRAINT = 'wd_community_write_fence',
                   TABLE = TG_TABLE_NAME,
                   SCHEMA = TG_TABLE_SCHEMA,
-                  DETAIL = format('community_id=%s deletion_state=%s', v_id, v_state);
+                  DETAIL = pg_catalog.format('community_id=%s deletion_state=%s', v_id, v_state);
     END LOOP;
     IF TG_OP = 'DELETE' THEN
         RETURN OLD;
@@ -408,7 +414,7 @@ $function$;
 CREATE OR REPLACE FUNCTION public.wd_enforce_community_write_fence_on_insert()
  RETURNS trigger
  LANGUAGE plpgsql
- SET search_path TO 'public', 'pg_catalog', 'pg_temp'
+ SET search_path TO 'pg_catalog', 'public', 'pg_temp'
 AS $function$
 DECLARE
     v_id uuid;
@@ -423,7 +429,7 @@ $function$;
 CREATE OR REPLACE FUNCTION public.wd_enforce_one_message_per_step()
  RETURNS trigger
  LANGUAGE plpgsql
- SET search_path TO 'public', 'pg_catalog', 'pg_temp'
+ SET search_path TO 'pg_catalog', 'public', 'pg_temp'
 AS $function$
 DECLARE
     v_message bytea;
@@ -434,7 +440,7 @@ BEGIN
      LIMIT 1;
     IF FOUND AND v_message IS DISTINCT FROM NEW.message_event_id THEN
         RAISE EXCEPTION 'step % of run % already carries message %, not %: a step has one message',
-            NEW.step_id, NEW.run_id, encode(v_message, 'hex'), encode(NEW.message_event_id, 'hex')
+            NEW.step_id, NEW.run_id, pg_catalog.encode(v_message, 'hex'), pg_catalog.encode(NEW.message_event_id, 'hex')
             USING ERRCODE = 'check_violation',
                   CONSTRAINT = 'wd_delivery_one_message_per_step', TABLE = TG_TABLE_NAME;
     END IF;
@@ -446,7 +452,7 @@ CREATE OR REPLACE FUNCTION public.wd_first_keys(p_keys text[])
  RETURNS text
  LANGUAGE sql
  IMMUTABLE
- SET search_path TO 'public', 'pg_catalog', 'pg_temp'
+ SET search_path TO 'pg_catalog', 'public', 'pg_temp'
 AS $function$
     SELECT CASE
         WHEN p_keys IS NULL THEN 'none'
@@ -459,7 +465,7 @@ $function$;
 CREATE OR REPLACE FUNCTION public.wd_guard_community_lifecycle()
  RETURNS trigger
  LANGUAGE plpgsql
- SET search_path TO 'public', 'pg_catalog', 'pg_temp'
+ SET search_path TO 'pg_catalog', 'public', 'pg_temp'
 AS $function$
 DECLARE
     v_rank CONSTANT jsonb := '{"active": 0, "quiescing": 1, "fenced": 2, "tombstone": 3}';
@@ -506,12 +512,12 @@ BEGIN
         -- The exclusive deletion lock waits for every writer that passed the fence
         -- (they hold the shared lock to commit) and holds new ones until we commit.
         PERFORM wd_require_read_committed();
-        PERFORM pg_advisory_xact_lock(wd_community_deletion_key(OLD.id));
+        PERFORM pg_catalog.pg_advisory_xact_lock(wd_community_deletion_key(OLD.id));
         IF NEW.deletion_fence_generation = OLD.deletion_fence_generation THEN
             NEW.deletion_fence_generation := OLD.deletion_fence_generation + 1;
         END IF;
         IF NEW.deletion_state = 'tombstone' AND NEW.deleted_at IS NULL THEN
-            NEW.deleted_at := now();
+            NEW.deleted_at := pg_catalog.now();
         END IF;
     END IF;
     RETURN NEW;
@@ -521,7 +527,7 @@ $function$;
 CREATE OR REPLACE FUNCTION public.wd_guard_delivery_retry()
  RETURNS trigger
  LANGUAGE plpgsql
- SET search_path TO 'public', 'pg_catalog', 'pg_temp'
+ SET search_path TO 'pg_catalog', 'public', 'pg_temp'
 AS $function$
 BEGIN
     IF OLD.status = 'finished' AND NEW.status IS DISTINCT FROM OLD.status THEN
@@ -547,15 +553,15 @@ CREATE OR REPLACE FUNCTION public.wd_holds_community_deletion_lock(p_community_i
  RETURNS boolean
  LANGUAGE sql
  SECURITY DEFINER
- SET search_path TO 'public', 'pg_catalog', 'pg_temp'
+ SET search_path TO 'pg_catalog', 'public', 'pg_temp'
 AS $function$
     SELECT wd_backend_holds_community_deletion_lock(p_community_id)
        AND EXISTS (
            SELECT 1
              FROM wd_executor_presentations p
              JOIN communities c ON c.id = p.executor_of
-            WHERE p.backend_pid = pg_backend_pid()
-              AND p.transaction_id = pg_current_xact_id_if_assigned()
+            WHERE p.backend_pid = pg_catalog.pg_backend_pid()
+              AND p.transaction_id = pg_catalog.pg_current_xact_id_if_assigned()
               AND p.executor_of = p_community_id
               AND p.fence_generation = c.deletion_fence_generation
        )
@@ -565,7 +571,7 @@ COMMENT ON FUNCTION wd_holds_community_deletion_lock(uuid) IS 'True when this tr
 CREATE OR REPLACE FUNCTION public.wd_lock_roster_shared(p_community_id uuid)
  RETURNS void
  LANGUAGE plpgsql
- SET search_path TO 'public', 'pg_catalog', 'pg_temp'
+ SET search_path TO 'pg_catalog', 'public', 'pg_temp'
 AS $function$
 BEGIN
     -- The deletion lock first, as every writer takes it (the fence), then the
@@ -581,7 +587,7 @@ CREATE OR REPLACE FUNCTION public.wd_present_executor(p_community_id uuid, p_gen
  RETURNS void
  LANGUAGE plpgsql
  SECURITY DEFINER
- SET search_path TO 'public', 'pg_catalog', 'pg_temp'
+ SET search_path TO 'pg_catalog', 'public', 'pg_temp'
 AS $function$
 BEGIN
     IF NOT wd_backend_holds_community_deletion_lock(p_community_id) THEN
@@ -591,14 +597,14 @@ BEGIN
                   CONSTRAINT = 'wd_executor_requires_deletion_lock';
     END IF;
     DELETE FROM wd_executor_presentations
-     WHERE backend_pid = pg_backend_pid() AND transaction_id <> pg_current_xact_id();
+     WHERE backend_pid = pg_catalog.pg_backend_pid() AND transaction_id <> pg_catalog.pg_current_xact_id();
     INSERT INTO wd_executor_presentations (backend_pid, transaction_id, executor_of, fence_generation)
-    VALUES (pg_backend_pid(), pg_current_xact_id(), p_community_id, p_generation)
+    VALUES (pg_catalog.pg_backend_pid(), pg_catalog.pg_current_xact_id(), p_community_id, p_generation)
     ON CONFLICT ON CONSTRAINT wd_executor_presentation_per_transaction
     DO UPDATE SET fence_generation = EXCLUDED.fence_generation;
     -- What the fence compares first (and what a reader of the session sees).
-    PERFORM set_config('workflow_delivery.executor_community', p_community_id::text, true),
-            set_config('workflow_delivery.executor_generation', p_generation::text, true);
+    PERFORM pg_catalog.set_config('workflow_delivery.executor_community', p_community_id::text, true),
+            pg_catalog.set_config('workflow_delivery.executor_generation', p_generation::text, true);
 END
 $function$;
 REVOKE EXECUTE ON FUNCTION wd_present_executor(uuid,bigint) FROM PUBLIC;
@@ -606,10 +612,10 @@ REVOKE EXECUTE ON FUNCTION wd_present_executor(uuid,bigint) FROM PUBLIC;
 CREATE OR REPLACE FUNCTION public.wd_record_delivery_departure()
  RETURNS trigger
  LANGUAGE plpgsql
- SET search_path TO 'public', 'pg_catalog', 'pg_temp'
+ SET search_path TO 'pg_catalog', 'public', 'pg_temp'
 AS $function$
 DECLARE
-    v_actor text := nullif(current_setting('workflow_delivery.actor', true), '');
+    v_actor text := nullif(pg_catalog.current_setting('workflow_delivery.actor', true), '');
     v_operator boolean;
     v_recorded boolean;
     v_claim boolean;
@@ -620,7 +626,7 @@ BEGIN
         INSERT INTO "public".workflow_delivery_timeline
             (community_id, delivery_id, at, kind, generation, attempts, status_before,
              status_after, actor)
-        VALUES (NEW.community_id, NEW.id, clock_timestamp(), 'committed', NEW.lease_generation,
+        VALUES (NEW.community_id, NEW.id, pg_catalog.clock_timestamp(), 'committed', NEW.lease_generation,
                 NEW.attempts, NULL, NEW.status, coalesce(v_actor, 'producer'));
         RETURN NULL;
     END IF;
@@ -643,7 +649,7 @@ BEGIN
         v_kind := 'retried';
     ELSIF NEW.status = 'pending' THEN
         -- Unnamed (a raw UPDATE): judged by the lease it took away.
-        IF v_actor = 'reaper' OR (v_actor IS NULL AND OLD.lease_until < now()) THEN
+        IF v_actor = 'reaper' OR (v_actor IS NULL AND OLD.lease_until < pg_catalog.now()) THEN
             v_kind := 'reaped';
         ELSE
             v_kind := 'released';
@@ -669,7 +675,7 @@ BEGIN
         (1, v_claim, OLD.community_id, OLD.id, coalesce(OLD.last_claimed_at, OLD.claimed_at),
          'claimed', OLD.lease_generation, OLD.attempts, 'pending', 'claimed', 'holder',
          NULL::text, NULL::text, NULL::text),
-        (2, v_kind IS NOT NULL, NEW.community_id, NEW.id, clock_timestamp(), v_kind,
+        (2, v_kind IS NOT NULL, NEW.community_id, NEW.id, pg_catalog.clock_timestamp(), v_kind,
          NEW.lease_generation, NEW.attempts, OLD.status, NEW.status,
          coalesce(v_actor, CASE WHEN NEW.status = 'claimed' THEN 'holder'
                                 WHEN NEW.status = 'pending' AND v_recorded THEN 'holder'
@@ -679,7 +685,7 @@ BEGIN
          CASE WHEN v_carries THEN NEW.last_error_type END,
          CASE WHEN v_carries THEN NEW.last_error_message END,
          CASE WHEN v_carries
-              THEN nullif(current_setting('workflow_delivery.error_traceback', true), '') END)
+              THEN nullif(pg_catalog.current_setting('workflow_delivery.error_traceback', true), '') END)
     ) AS v (n, wanted, community_id, delivery_id, at, kind, generation, attempts, status_before,
             status_after, actor, error_type, error_message, error_traceback)
      WHERE v.wanted
@@ -691,10 +697,10 @@ $function$;
 CREATE OR REPLACE FUNCTION public.wd_refuse_foreign_executor_presentation()
  RETURNS trigger
  LANGUAGE plpgsql
- SET search_path TO 'public', 'pg_catalog', 'pg_temp'
+ SET search_path TO 'pg_catalog', 'public', 'pg_temp'
 AS $function$
 BEGIN
-    IF current_user <> (SELECT pg_get_userbyid(relowner) FROM pg_class WHERE oid = TG_RELID) THEN
+    IF current_user <> (SELECT pg_catalog.pg_get_userbyid(relowner) FROM pg_class WHERE oid = TG_RELID) THEN
         RAISE EXCEPTION 'only wd_present_executor() records an executor presentation, not %',
             current_user
             USING ERRCODE = 'insufficient_privilege',
@@ -708,7 +714,7 @@ $function$;
 CREATE OR REPLACE FUNCTION public.wd_refuse_request(p_code text)
  RETURNS boolean
  LANGUAGE plpgsql
- SET search_path TO 'public', 'pg_catalog', 'pg_temp'
+ SET search_path TO 'pg_catalog', 'public', 'pg_temp'
 AS $function$
 BEGIN
     RAISE EXCEPTION USING
@@ -721,7 +727,7 @@ $function$;
 CREATE OR REPLACE FUNCTION public.wd_reject_delivery_transition()
  RETURNS trigger
  LANGUAGE plpgsql
- SET search_path TO 'public', 'pg_catalog', 'pg_temp'
+ SET search_path TO 'pg_catalog', 'public', 'pg_temp'
 AS $function$
 BEGIN
     IF NEW.lease_generation < OLD.lease_generation THEN
@@ -745,7 +751,7 @@ $function$;
 CREATE OR REPLACE FUNCTION public.wd_require_community_write(p_community_id uuid, p_operation text, p_table text, p_schema text)
  RETURNS void
  LANGUAGE plpgsql
- SET search_path TO 'public', 'pg_catalog', 'pg_temp'
+ SET search_path TO 'pg_catalog', 'public', 'pg_temp'
 AS $function$
 DECLARE
     v_host text;
@@ -756,16 +762,16 @@ BEGIN
         RETURN;
     END IF;
     PERFORM wd_require_read_committed();
-    PERFORM pg_advisory_xact_lock_shared(wd_community_deletion_key(p_community_id));
+    PERFORM pg_catalog.pg_advisory_xact_lock_shared(wd_community_deletion_key(p_community_id));
     SELECT host, deletion_state, deletion_fence_generation
       INTO v_host, v_state, v_generation
       FROM communities WHERE id = p_community_id;
     IF NOT FOUND OR v_state = 'active' THEN
         RETURN;
     END IF;
-    IF current_setting('workflow_delivery.executor_community', true)
+    IF pg_catalog.current_setting('workflow_delivery.executor_community', true)
            IS NOT DISTINCT FROM p_community_id::text
-       AND current_setting('workflow_delivery.executor_generation', true)
+       AND pg_catalog.current_setting('workflow_delivery.executor_generation', true)
            IS NOT DISTINCT FROM v_generation::text
        AND wd_holds_community_deletion_lock(p_community_id) THEN
         RETURN;
@@ -776,14 +782,14 @@ BEGIN
               CONSTRAINT = 'wd_community_write_fence',
               TABLE = p_table,
               SCHEMA = p_schema,
-              DETAIL = format('community_id=%s deletion_state=%s', p_community_id, v_state);
+              DETAIL = pg_catalog.format('community_id=%s deletion_state=%s', p_community_id, v_state);
 END
 $function$;
 
 CREATE OR REPLACE FUNCTION public.wd_require_enrolled(p_community_id uuid, p_targets bytea[])
  RETURNS void
  LANGUAGE plpgsql
- SET search_path TO 'public', 'pg_catalog', 'pg_temp'
+ SET search_path TO 'pg_catalog', 'public', 'pg_temp'
 AS $function$
 DECLARE
     v_unknown text[];
@@ -822,7 +828,7 @@ $function$;
 CREATE OR REPLACE FUNCTION public.wd_require_enrolled_target()
  RETURNS trigger
  LANGUAGE plpgsql
- SET search_path TO 'public', 'pg_catalog', 'pg_temp'
+ SET search_path TO 'pg_catalog', 'public', 'pg_temp'
 AS $function$
 BEGIN
     PERFORM "public".wd_require_enrolled(NEW.community_id, ARRAY[NEW.target_pubkey]);
@@ -833,7 +839,7 @@ $function$;
 CREATE OR REPLACE FUNCTION public.wd_require_enrolled_targets()
  RETURNS trigger
  LANGUAGE plpgsql
- SET search_path TO 'public', 'pg_catalog', 'pg_temp'
+ SET search_path TO 'pg_catalog', 'public', 'pg_temp'
 AS $function$
 DECLARE
     v_community uuid;
@@ -852,12 +858,12 @@ $function$;
 CREATE OR REPLACE FUNCTION public.wd_require_read_committed()
  RETURNS void
  LANGUAGE plpgsql
- SET search_path TO 'public', 'pg_catalog', 'pg_temp'
+ SET search_path TO 'pg_catalog', 'public', 'pg_temp'
 AS $function$
 BEGIN
-    IF current_setting('transaction_isolation') <> 'read committed' THEN
+    IF pg_catalog.current_setting('transaction_isolation') <> 'read committed' THEN
         RAISE EXCEPTION 'the community write fence needs READ COMMITTED isolation, this transaction runs at %',
-            upper(current_setting('transaction_isolation'))
+            pg_catalog.upper(pg_catalog.current_setting('transaction_isolation'))
             USING ERRCODE = 'invalid_transaction_state',
                   HINT = 'Run fenced statements in a READ COMMITTED transaction (the PostgreSQL default).';
     END IF;
@@ -868,12 +874,12 @@ CREATE OR REPLACE FUNCTION public.wd_withdraw_executor()
  RETURNS void
  LANGUAGE plpgsql
  SECURITY DEFINER
- SET search_path TO 'public', 'pg_catalog', 'pg_temp'
+ SET search_path TO 'pg_catalog', 'public', 'pg_temp'
 AS $function$
 BEGIN
-    DELETE FROM wd_executor_presentations WHERE backend_pid = pg_backend_pid();
-    PERFORM set_config('workflow_delivery.executor_community', '', true),
-            set_config('workflow_delivery.executor_generation', '', true);
+    DELETE FROM wd_executor_presentations WHERE backend_pid = pg_catalog.pg_backend_pid();
+    PERFORM pg_catalog.set_config('workflow_delivery.executor_community', '', true),
+            pg_catalog.set_config('workflow_delivery.executor_generation', '', true);
 END
 $function$;
 REVOKE EXECUTE ON FUNCTION wd_withdraw_executor() FROM PUBLIC;

@@ -2,7 +2,8 @@
 so the client shares it with the server.
 
 Bytes are lowercase hex, ids canonical lowercase UUID strings, times ISO 8601 UTC
-with every digit the database gave (``Z`` suffix).
+with every digit the database gave (``Z`` suffix). A message's content is a JSON
+string when its ``content_kind`` is ``text``, any JSON value when it is ``json``.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from uuid import UUID
 from .exceptions import ProtocolError
 from .protocol import (
     Cause,
+    ContentKind,
     DeliveryBinding,
     DeliveryRecord,
     DeliveryStatus,
@@ -111,6 +113,7 @@ def message_document(message: MessageEvent) -> dict[str, object]:
         "created_at": instant(message.created_at),
         "kind": message.kind,
         "tags": message.tags,
+        "content_kind": message.content_kind.value,
         "content": message.content,
     }
 
@@ -125,6 +128,8 @@ def parse_message(document: dict | None) -> MessageEvent | None:
         kind=document["kind"],
         tags=document["tags"],
         content=document["content"],
+        # Absent from a server whose messages are text only.
+        content_kind=ContentKind(document.get("content_kind", "text")),
     )
 
 

@@ -129,6 +129,7 @@ def _message(step: factories.Step) -> dict:
         "created_at": event.created_at.astimezone(UTC).isoformat().replace("+00:00", "Z"),
         "kind": 9,
         "tags": event.tags,
+        "content_kind": "text",
         "content": event.content,
     }
 

@@ -7,7 +7,7 @@ ISO 8601 UTC strings exactly as the database returned them (microseconds kept).
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from ninja import Schema
 from pydantic import AwareDatetime, ConfigDict, Field, StrictInt
@@ -146,7 +146,14 @@ class MessageOut(Schema):
     created_at: Instant
     kind: int
     tags: list[list[str]]
-    content: str
+    content_kind: Literal["text", "json"] = Field(
+        description="what `content` is: `text`, a string; `json`, a JSON value"
+    )
+    # Any JSON value (the schema names no type); answered as the producer stored it.
+    content: Any = Field(
+        description="the message's text when `content_kind` is `text`; when it is `json`, "
+        "the JSON value the producer sent: an object, array, string, number, boolean or null"
+    )
 
 
 class LastErrorOut(Schema):

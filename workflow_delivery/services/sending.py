@@ -36,8 +36,11 @@ from uuid import UUID
 
 from django.contrib.postgres.functions import TransactionNow
 from django.db import DEFAULT_DB_ALIAS
+from django.db.models import BooleanField, ExpressionWrapper, JSONField, Q, TextField, Value
+from django.db.models.functions import Cast
 
 from ..conf import app_settings
+from ..content import encode_content
 from ..exceptions import (
     CommunityNotFound,
     IdempotencyConflict,
@@ -51,6 +54,7 @@ from ..protocol import (
     MESSAGE_V1_MARKER,
     STEP_ID_MAX_LENGTH,
     Cause,
+    ContentKind,
     DeliveryBinding,
     DeliveryRecord,
     EventCause,
@@ -78,6 +82,10 @@ UNSIGNED_SENDER = bytes(32)
 # One statement inserts every delivery of a message.
 MAX_TARGETS = MAX_BATCH_SIZE
 MAX_KIND = 65535
+# Whether an event row holds a JSON value (read instead of the value itself, which
+# its ``content`` encodes).
+_IS_JSON = ExpressionWrapper(Q(content_json__isnull=False), output_field=BooleanField())
+_MESSAGE_COLUMNS = ("id", "created_at", "pubkey", "kind", "tags", "content", "is_json")
 
 
 # Ids are global keys: the ids derived for a community, the first one onwards, are
@@ -281,26 +289,54 @@ def _message_of(community_id: UUID, record: DeliveryRecord, using: str) -> Messa
             created_at=record.message_event_created_at,
             id=record.binding.message_event_id,
         )
-        .values_list("id", "created_at", "pubkey", "kind", "tags", "content")
+        .annotate(is_json=_IS_JSON)
+        .values_list(*_MESSAGE_COLUMNS)
         .get()
     )
     return _message(row)
 
 
 def _message(row: Any) -> MessageEvent:
-    event_id, created_at, pubkey, kind, tags, content = row
+    event_id, created_at, pubkey, kind, tags, content, is_json = row
     return MessageEvent(
         id=bytes(event_id),
         pubkey=bytes(pubkey),
         created_at=created_at,
         kind=kind,
         tags=tags,
-        content=content,
+        content=json.loads(content) if is_json else content,
+        content_kind=ContentKind.JSON if is_json else ContentKind.TEXT,
+    )
+
+
+def _as_jsonb(text: str) -> Cast:
+    """The JSON value ``text`` encodes, as PostgreSQL parses it."""
+    return Cast(Value(text, TextField()), JSONField())
+
+
+def _same_json(community_id: UUID, message: MessageEvent, text: str, using: str) -> bool:
+    """Whether the stored message's JSON value equals the one ``text`` encodes, as
+    ``jsonb`` compares them (key order and number spelling aside)."""
+    return (
+        Event.objects.using(using)
+        .filter(
+            community_id=community_id,
+            created_at=message.created_at,
+            id=message.id,
+            content_json=_as_jsonb(text),
+        )
+        .exists()
     )
 
 
 def _differences(
-    request: dict[str, Any], message: MessageEvent, targets: set[bytes], run_id: UUID, step_id: str
+    community_id: UUID,
+    request: dict[str, Any],
+    message: MessageEvent,
+    targets: set[bytes],
+    using: str,
+    run_id: UUID,
+    step_id: str,
 ) -> list[str]:
     found = []
     if targets != set(request["targets"]):
@@ -309,7 +345,12 @@ def _differences(
         if message.id != request["message_event_id"]:
             found.append("message_event_id")
         return found
-    if message.content != request["content"]:
+    if message.content_kind is not request["content_kind"]:
+        found.append("content")
+    elif message.content_kind is ContentKind.TEXT:
+        if message.content != request["content"]:
+            found.append("content")
+    elif not _same_json(community_id, message, request["content"], using):
         found.append("content")
     if message.kind != request["kind"]:
         found.append("kind")
@@ -326,7 +367,13 @@ def _already_sent(
     records = _records(community_id, run_id, key, using)
     message = _message_of(community_id, records[0], using)
     differences = _differences(
-        request, message, {record.binding.target_pubkey for record in records}, run_id, key
+        community_id,
+        request,
+        message,
+        {record.binding.target_pubkey for record in records},
+        using,
+        run_id,
+        key,
     )
     if differences:
         raise IdempotencyConflict(
@@ -429,7 +476,8 @@ def _existing_message(
     row = (
         Event.objects.using(using)
         .filter(community_id=community_id, id=event_id)
-        .values_list("id", "created_at", "pubkey", "kind", "tags", "content")
+        .annotate(is_json=_IS_JSON)
+        .values_list(*_MESSAGE_COLUMNS)
         .first()
     )
     if row is None:
@@ -452,6 +500,7 @@ def _new_message(
     created_at = now.replace(microsecond=0)
     tags = _message_tags(request["targets"], run_id, key, request["tags"])
     sender, kind, content = request["sender"], request["kind"], request["content"]
+    is_json = request["content_kind"] is ContentKind.JSON
     event_id = nip01_event_id(sender, int(created_at.timestamp()), kind, tags, content)
     # The same fields give the same id: an identical event already stored is this one.
     Event.objects.using(using).bulk_create(
@@ -463,11 +512,17 @@ def _new_message(
                 kind=kind,
                 pubkey=sender,
                 content=content,
+                # Parsed from the encoded text, so JSON null is jsonb null, not NULL.
+                content_json=_as_jsonb(content) if is_json else None,
                 tags=tags,
             )
         ],
         ignore_conflicts=True,
     )
+    if is_json:
+        return MessageEvent(
+            event_id, sender, created_at, kind, tags, json.loads(content), ContentKind.JSON
+        )
     return MessageEvent(event_id, sender, created_at, kind, tags, content)
 
 
@@ -475,8 +530,9 @@ def send_message(
     community_id: UUID | str,
     *,
     targets: Iterable[bytes | str],
-    content: str | None = None,
+    content: Any = None,
     idempotency_key: str,
+    content_kind: ContentKind | str | None = None,
     kind: int = MESSAGE_KIND,
     tags: Tags | None = None,
     sender: bytes | str | None = None,
@@ -489,10 +545,14 @@ def send_message(
 ) -> SentMessage:
     """Send ``content`` to each of ``targets`` (32-byte public keys, or 64 hex) in
     ``community_id``: one message event and one pending delivery per target, all
-    committed in one transaction, or nothing. Calling again with the same
-    ``idempotency_key`` (a retry after a timeout, or a second process racing the first)
-    returns the deliveries already sent, ``created`` False, and stores nothing; with
-    another message under that key it raises ``IdempotencyConflict``.
+    committed in one transaction, or nothing. ``content`` is text (a ``str``) or a
+    JSON value (anything else but ``None``; ``content_kind="json"`` makes a ``str``
+    or ``None`` one too); ``message.content`` is that value decoded from what was
+    stored. Calling again with the same ``idempotency_key`` (a retry after a timeout,
+    or a second process racing the first) returns the deliveries already sent,
+    ``created`` False, and stores nothing; with another message under that key it
+    raises ``IdempotencyConflict``. The same content is equal text, or a JSON value
+    equal as PostgreSQL's ``jsonb`` compares them (key order and ``1.0``/``1`` aside).
 
     ``run_id`` / ``workflow_id`` name an existing run or workflow to send in (the key
     is then the step id in that run); ``message_event_id`` sends an existing event
@@ -502,16 +562,24 @@ def send_message(
     community_id = as_uuid("community_id", community_id)
     key = _key(idempotency_key)
     given_event = _optional_bytes32("message_event_id", message_event_id)
+    content_text = None
     if given_event is None:
-        content = _text("content", content)
-    elif content is not None or tags is not None or sender is not None or kind != MESSAGE_KIND:
+        content_kind, content_text = encode_content(content, content_kind)
+    elif (
+        content is not None
+        or content_kind is not None
+        or tags is not None
+        or sender is not None
+        or kind != MESSAGE_KIND
+    ):
         raise ProtocolError(
             "message_event_id",
             "an existing event is sent as it is: no content, kind, tags or sender",
         )
     request = {
         "targets": _targets(targets),
-        "content": content,
+        "content": content_text,
+        "content_kind": content_kind,
         "kind": _kind(kind),
         "tags": _tags(_few_enough(tags)),
         "sender": UNSIGNED_SENDER if sender is None else _public_key("sender", sender),

@@ -460,9 +460,10 @@ RETURNING status
 """)
 
 # The message events of claimed or read deliveries, by id, in the caller's community
-# (tags as text: decoded as the JSON field decodes them, by ``protocol.stored_message``).
+# (tags as text: decoded as the JSON field decodes them, by ``protocol.stored_message``;
+# a JSON content is decoded from its text, the jsonb beside it is not read).
 MESSAGE_EVENTS = Statement(f"""
-SELECT id, created_at, pubkey, kind, tags::text, content
+SELECT id, created_at, pubkey, kind, tags::text, content, content_json IS NOT NULL
   FROM {EVENTS}
  WHERE community_id = %(community_id)s::uuid AND id = ANY(%(event_ids)s::bytea[])
 """)
@@ -969,7 +970,8 @@ SERVED_CLAIM = _admitted(
 claimed AS ({_CLAIM_PICKED}
 )""",
     f"""SELECT {_ADMISSION}, {", ".join(f"c.{_q(column)}" for column in RECORD_COLUMNS)},
-       e.id, e.created_at, e.pubkey, e.kind, e.tags::text, e.content
+       e.id, e.created_at, e.pubkey, e.kind, e.tags::text, e.content,
+       e.content_json IS NOT NULL
   FROM admission AS a
   LEFT JOIN claimed AS c ON true
   LEFT JOIN {EVENTS} AS e
