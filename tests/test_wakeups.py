@@ -476,3 +476,14 @@ def test_a_real_bool_passes_the_check(settings, value):
     settings.WORKFLOW_DELIVERY_NOTIFY = value
     settings.WORKFLOW_DELIVERY_NOTIFY_IN_TRANSACTION = value
     call_command("check")
+
+
+def test_a_consumer_that_stops_cleanly_takes_back_its_idle_registrations():
+    step = factories.Step(targets=2)
+    other = factories.Step(targets=1, owner=step.community)
+    services.register_idle(step.community.id, other.targets)
+    with Running(consumer_for(step, Recorder())) as running:
+        started(running.consumer)
+        assert eventually(lambda: registered(step) >= set(step.targets), 5)
+    # Its own targets only: another consumer's registration stays.
+    assert registered(step) == set(other.targets)

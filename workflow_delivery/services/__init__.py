@@ -29,6 +29,7 @@ from .holder import (
     release_lease,
     renew_delivery,
     retry_delivery,
+    unregister_idle,
 )
 from .maintenance import (
     count_prunable,
@@ -71,4 +72,5 @@ __all__ = [
     "renew_delivery",
     "retry_delivery",
     "send_message",
+    "unregister_idle",
 ]
