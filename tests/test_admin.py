@@ -70,7 +70,8 @@ def test_no_form_adds_changes_or_deletes_a_row(admin_client, step, model):
     before = model.objects.filter(pk=pk).values().get()
     name = model._meta.model_name
 
-    assert admin_client.get(reverse(f"admin:workflow_delivery_{name}_add")).status_code == 403
+    if model is not Community:  # the one add form: test_create_community.py
+        assert admin_client.get(reverse(f"admin:workflow_delivery_{name}_add")).status_code == 403
     edit = {"status": "failed", "deletion_state": "tombstone", "host": "renamed.example"}
     assert admin_client.post(change(model, pk), edit).status_code == 403
     delete = reverse(f"admin:workflow_delivery_{name}_delete", args=[pk])

@@ -20,7 +20,7 @@ from django.db import connection, connections
 from buzz_project.demo import data as demo
 from tests import factories
 from tests.sessions import other_sessions
-from workflow_delivery import fence
+from workflow_delivery import fence, keys, roster, services
 from workflow_delivery.models import WorkflowAgentDelivery
 from workflow_delivery.reaper import logger as reaper_logger
 from workflow_delivery.services import claim_delivery, commit_deliveries
@@ -427,6 +427,21 @@ def test_demo_data_of_older_agent_keys_is_left_alone(raw):
     assert "alpha.demo.buzz holds deliveries of an older demo's agent keys" in out
     assert "(0 deliveries new)" in out
     assert demo_snapshot() == snapshot
+
+
+@pytest.mark.django_db(transaction=True)
+def test_demo_data_loads_again_beside_a_key_someone_enrolled_and_served():
+    run("demo_deliveries")
+    alpha = demo.demo_uuid("alpha.demo.buzz")
+    own = bytes.fromhex(keys.new_key_pair()[1])
+    roster.enroll_agent(alpha, own, label="mine")
+    sent = services.send_message(alpha, targets=[own], content="hi", idempotency_key="mine")
+    snapshot = demo_snapshot()
+    out = run("demo_deliveries")
+    assert "older demo" not in out
+    assert "(0 deliveries new)" in out
+    assert demo_snapshot() == snapshot
+    assert WorkflowAgentDelivery.objects.get(id=sent.deliveries[0].id).status == "pending"
 
 
 @pytest.mark.django_db(transaction=True)

@@ -210,7 +210,19 @@ def test_the_timeline_setting_reaches_the_session_through_the_lane():
     assert kinds(recorded) == ["claimed", "released"]
 
 
-def test_a_statement_waiting_on_a_lock_is_cancelled_by_ctrl_c():
+@pytest.fixture
+def ctrl_c_raises():
+    """SIGINT raises KeyboardInterrupt for the test, whatever the process inherited: a
+    job started in the background (``scripts/test &``) inherits SIGINT ignored, and
+    Python then installs no handler of its own."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def test_a_statement_waiting_on_a_lock_is_cancelled_by_ctrl_c(ctrl_c_raises):
     step = factories.Step()
     factories.committed(step)
     lease, _ = services.claim_delivery(step.community.id, step.targets[0])

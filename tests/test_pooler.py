@@ -16,7 +16,7 @@ from tests.pgbouncer import pgbouncer, real_server
 from workflow_delivery import services
 from workflow_delivery.models import WorkflowAgentDelivery
 
-pytestmark = pytest.mark.django_db(transaction=True)
+pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.pooler]
 
 
 @pytest.fixture

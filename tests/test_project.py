@@ -303,3 +303,28 @@ def test_app_database_role_changes_the_user_and_nothing_else(role, expected):
     )
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip().splitlines()[-1] == expected
+
+
+@pytest.mark.parametrize("opted_out", [False, True])
+def test_the_browser_and_pooler_tests_are_left_out_only_on_request_and_said_so(opted_out):
+    """``scripts/test --without-system-packages`` sets the variable: the tests that need
+    Debian's chromium or pgbouncer are deselected and the run's end names them."""
+    environment = {k: v for k, v in os.environ.items() if k != "BUZZ_TESTS_WITHOUT_SYSTEM_PACKAGES"}
+    if opted_out:
+        environment["BUZZ_TESTS_WITHOUT_SYSTEM_PACKAGES"] = "1"
+    modules = ["tests/test_browser.py", "tests/test_pooler.py"]
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "--co", "-q", *modules],
+        cwd=ROOT,
+        env=environment,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    collected = [line for line in result.stdout.splitlines() if "::" in line]
+    if opted_out:
+        assert collected == []
+        assert "browser and pooler tests NOT RUN" in result.stdout
+    else:
+        assert {line.split("::")[0] for line in collected} == set(modules)
+        assert "NOT RUN" not in result.stdout

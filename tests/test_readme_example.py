@@ -29,13 +29,28 @@ def test_the_readme_example_is_at_most_fifteen_lines_of_code():
     assert len(lines) <= 15, lines
 
 
-def test_the_readme_example_settles_its_first_delivery():
+def run_example() -> tuple[dict[str, object], str]:
     out = io.StringIO()
     namespace: dict[str, object] = {"__name__": "readme_first_example"}
     with contextlib.redirect_stdout(out):
         exec(compile(first_example(), "README.md", "exec"), namespace)
+    return namespace, out.getvalue()
+
+
+def test_the_readme_example_settles_its_first_delivery():
+    namespace, out = run_example()
     delivery = namespace["sent"].deliveries[0]
-    assert out.getvalue().splitlines() == [f"handling {delivery.id}", "finished"]
+    assert out.splitlines() == [f"handling {delivery.id}", "finished"]
     row = WorkflowAgentDelivery.objects.get(id=delivery.id)
     assert [entry.kind for entry in delivery_history(row)] == ["committed", "claimed", "finished"]
     assert row.attempts == 1
+
+
+def test_the_readme_example_runs_again_on_the_same_database():
+    first, _ = run_example()
+    second, out = run_example()
+    assert second["community"].id == first["community"].id
+    delivery = second["sent"].deliveries[0]
+    assert delivery.id != first["sent"].deliveries[0].id
+    assert out.splitlines() == [f"handling {delivery.id}", "finished"]
+    assert set(WorkflowAgentDelivery.objects.values_list("status", flat=True)) == {"finished"}

@@ -7,6 +7,7 @@ send, and run every setting at its default unless they name one."""
 from __future__ import annotations
 
 import contextlib
+import re
 import threading
 import time
 import uuid
@@ -19,8 +20,9 @@ from django.db import connection, transaction
 from tests import factories
 from tests.consumers import Recorder, Running, consumer_for, eventually, started, status
 from workflow_delivery import services
+from workflow_delivery.conf import WorkflowDeliveryConfigurationError
 from workflow_delivery.exceptions import CommunityWriteFenced
-from workflow_delivery.models import IdleWakeTarget
+from workflow_delivery.models import IdleWakeTarget, WorkflowAgentDelivery
 from workflow_delivery.protocol import DeliveryStatus, NewDelivery
 from workflow_delivery.wakeups import WakeListener, WakeNotice, format_wake, parse_wake
 
@@ -449,9 +451,24 @@ def test_a_setting_that_is_not_a_real_bool_fails_the_check(settings, name, value
     }
     with pytest.raises(SystemCheckError, match=check_id[name]):
         call_command("check")
+
+
+@pytest.mark.parametrize("name", ["NOTIFY", "NOTIFY_IN_TRANSACTION"])
+@pytest.mark.parametrize("value", ["false", "true", 0, 1, None])
+def test_a_setting_that_is_not_a_real_bool_is_refused_where_it_is_read(settings, name, value):
+    """A script's consumer or producer runs no system check: reading the setting
+    refuses it, naming it, and nothing is stored."""
+    setattr(settings, f"WORKFLOW_DELIVERY_{name}", value)
+    step = factories.Step(targets=1)
+    message = f"WORKFLOW_DELIVERY_{name} must be True or False, got {value!r}"
     if name == "NOTIFY":
-        # Not truthy either: a consumer then does not listen.
-        assert consumer_for(factories.Step(targets=1), Recorder()).listen is False
+        with pytest.raises(WorkflowDeliveryConfigurationError, match=re.escape(message)):
+            consumer_for(step, Recorder())
+    with pytest.raises(WorkflowDeliveryConfigurationError, match=re.escape(message)):
+        services.send_message(
+            step.community.id, targets=step.targets, content="hello", idempotency_key="flag"
+        )
+    assert not WorkflowAgentDelivery.objects.exists()
 
 
 @pytest.mark.parametrize("value", [True, False])
@@ -459,3 +476,14 @@ def test_a_real_bool_passes_the_check(settings, value):
     settings.WORKFLOW_DELIVERY_NOTIFY = value
     settings.WORKFLOW_DELIVERY_NOTIFY_IN_TRANSACTION = value
     call_command("check")
+
+
+def test_a_consumer_that_stops_cleanly_takes_back_its_idle_registrations():
+    step = factories.Step(targets=2)
+    other = factories.Step(targets=1, owner=step.community)
+    services.register_idle(step.community.id, other.targets)
+    with Running(consumer_for(step, Recorder())) as running:
+        started(running.consumer)
+        assert eventually(lambda: registered(step) >= set(step.targets), 5)
+    # Its own targets only: another consumer's registration stays.
+    assert registered(step) == set(other.targets)

@@ -14,6 +14,7 @@ from datetime import datetime
 from functools import reduce
 from typing import Any
 
+from django import forms
 from django.contrib import admin, messages
 from django.contrib.admin import helpers
 from django.contrib.admin.models import CHANGE, LogEntry
@@ -24,6 +25,7 @@ from django.contrib.contenttypes.models import ContentType
 from django.core.exceptions import PermissionDenied, ValidationError
 from django.db import DataError, transaction
 from django.db.models import Model, Q, QuerySet
+from django.db.models.functions import Lower
 from django.http import (
     HttpRequest,
     HttpResponse,
@@ -38,7 +40,7 @@ from django.utils.dateformat import format as date_format
 from django.utils.html import format_html, format_html_join
 from django.utils.safestring import SafeString
 
-from . import admin_target, fence, metrics, overview, roster, services
+from . import admin_target, communities, fence, metrics, overview, roster, services
 from .exceptions import (
     AgentNotEnrolled,
     CommunityNotFound,
@@ -285,10 +287,41 @@ def lifecycle_action(
     return action
 
 
+class CommunityAddForm(forms.ModelForm):
+    """The one form of the admin that writes: a new community's host, checked as the
+    service checks it, a host taken already (in any case) refused by name."""
+
+    class Meta:
+        model = Community
+        fields = ["host"]
+        widgets = {"host": forms.TextInput(attrs={"size": 60})}
+
+    def clean_host(self) -> str:
+        try:
+            host = communities.as_host(self.cleaned_data["host"])
+        except ProtocolError as exc:
+            raise ValidationError(str(exc)) from exc
+        taken = (
+            Community.objects.annotate(lower_host=Lower("host"))
+            .filter(lower_host=host)
+            .values_list("id", "deletion_state")
+            .first()
+        )
+        if taken is not None:
+            raise ValidationError(f"community {taken[0]} ({taken[1]}) has the host {host} already")
+        return host
+
+    def validate_unique(self) -> None:
+        # The host's uniqueness is clean_host's (in any case); the row is the service's.
+        pass
+
+
 @admin.register(Community)
 class CommunityAdmin(ReadOnlyAdmin):
     """Communities change state only through the fence executor. Each action moves
-    rows from one state to the next (no skipping ahead) and skips every other row."""
+    rows from one state to the next (no skipping ahead) and skips every other row.
+    The add form creates a community through ``communities.create_community`` and
+    nothing else; no existing row is ever changed here."""
 
     list_display = [
         "host",
@@ -347,6 +380,31 @@ class CommunityAdmin(ReadOnlyAdmin):
     has_fence_community_permission = operator_permission("fence_community")
     has_tombstone_community_permission = operator_permission("tombstone_community")
     has_cancel_community_deletion_permission = operator_permission("cancel_community_deletion")
+
+    def has_add_permission(self, request: HttpRequest, obj: Model | None = None) -> bool:
+        return request.user.has_perm(f"{self.opts.app_label}.add_community")
+
+    def get_form(self, request: HttpRequest, obj: Model | None = None, **kwargs: Any) -> Any:
+        if obj is None:
+            kwargs["form"] = CommunityAddForm
+        return super().get_form(request, obj, **kwargs)
+
+    def get_fields(self, request: HttpRequest, obj: Model | None = None) -> list:
+        return ["host"] if obj is None else super().get_fields(request, obj)
+
+    def get_readonly_fields(self, request: HttpRequest, obj: Model | None = None) -> list:
+        return [] if obj is None else super().get_readonly_fields(request, obj)
+
+    def save_model(self, request: HttpRequest, obj: Model, form: Any, change: bool) -> None:
+        if change:
+            raise PermissionDenied
+        result = communities.create_community(obj.host)
+        if not result.created:
+            # Taken between the form's check and now: the row is someone else's.
+            messages.warning(request, f"community {result.id} had the host {result.host} already")
+        # The saved row, so the admin's log entry and message name it.
+        obj.pk = result.id
+        obj._state.adding = False
 
 
 @admin.display(description="community", ordering="community__host")

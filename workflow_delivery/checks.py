@@ -4,10 +4,11 @@ from __future__ import annotations
 
 from typing import Any
 
+from django.conf import settings
 from django.core import checks
 from django.db import DatabaseError, connections
 
-from .conf import app_settings
+from .conf import DEFAULTS, app_settings
 from .validation import (
     LEASE_SECONDS_BOUND,
     is_delay_seconds,
@@ -162,12 +163,13 @@ def check_settings(app_configs: Any = None, **kwargs: Any) -> list:
         parse_duration(retention)
     except ValueError:
         errors.append(checks.Error(E009_MSG.format(value=retention), id="workflow_delivery.E009"))
-    # A string such as "false" would be truthy: only a real bool is accepted.
+    # A string such as "false" would be truthy: only a real bool is accepted (read
+    # here as set, since app_settings refuses such a value).
     for name, message, check_id in (
         ("NOTIFY", E011_MSG, "workflow_delivery.E011"),
         ("NOTIFY_IN_TRANSACTION", E012_MSG, "workflow_delivery.E012"),
     ):
-        flag = getattr(app_settings, name)
+        flag = getattr(settings, app_settings.prefix + name, DEFAULTS[name])
         if not isinstance(flag, bool):
             errors.append(checks.Error(message.format(value=flag), id=check_id))
     return errors

@@ -72,6 +72,10 @@ DEFAULTS: dict[str, Any] = {
 }
 
 
+# Read as flags: a string such as "false" would be truthy, so only a real bool is taken.
+FLAGS = frozenset({"NOTIFY", "NOTIFY_IN_TRANSACTION"})
+
+
 class AppSettings:
     """Each setting is looked up once and then remembered until a ``setting_changed``
     signal (``override_settings``) names one of ours: an unset setting otherwise costs
@@ -82,8 +86,13 @@ class AppSettings:
     def __getattr__(self, name: str) -> Any:
         if name not in DEFAULTS:
             raise AttributeError(name)
+        value = getattr(settings, self.prefix + name, DEFAULTS[name])
+        if name in FLAGS and not isinstance(value, bool):
+            raise WorkflowDeliveryConfigurationError(
+                f"{self.prefix}{name} must be True or False, got {value!r}."
+            )
         # Remembered as an instance attribute: the next read does not come here.
-        value = self.__dict__[name] = getattr(settings, self.prefix + name, DEFAULTS[name])
+        self.__dict__[name] = value
         return value
 
     def forget(self, **kwargs: Any) -> None:

@@ -433,7 +433,8 @@ class Consumer:
             self._wake_workers()
             if listener is not None:
                 listener.close()
-            self._wind_down(workers, heartbeat, self.grace_seconds if graceful else 0.0)
+            grace = self.grace_seconds if graceful else 0.0
+            self._wind_down(workers, heartbeat, grace, clean=graceful)
         return self.stats
 
     def _listen(
@@ -501,7 +502,7 @@ class Consumer:
                 self.on_progress(self.stats)
 
     def _wind_down(
-        self, workers: list[threading.Thread], heartbeat: _Heartbeat, grace: float
+        self, workers: list[threading.Thread], heartbeat: _Heartbeat, grace: float, *, clean: bool
     ) -> None:
         deadline = time.monotonic() + grace
         for worker in workers:
@@ -522,6 +523,13 @@ class Consumer:
                 logger.info("released %s still in flight at stop", context.lease.delivery_id)
         heartbeat.stop()
         heartbeat.join(5)
+        if clean and not any(worker.is_alive() for worker in workers):
+            # A clean stop: nothing of this consumer waits for a wake-up any more, so
+            # the "why not delivered?" page must not show its targets as waited for.
+            try:
+                services.unregister_idle(self.community_id, self.targets, using=self.using)
+            except (*CONNECTION_ERRORS, WorkflowDeliveryError) as exc:
+                logger.warning("could not take back the idle registrations (%s)", exc)
         connections[self.using].close()
         if self.on_progress is not None:
             self.on_progress(self.stats)

@@ -783,3 +783,14 @@ def as_datetime(field: str, value: object) -> datetime:
     if not aware:
         raise ProtocolError(field, "must be a timezone-aware datetime")
     return value
+
+
+@dataclass(frozen=True, slots=True)
+class CommunityCreated:
+    """What ``communities.create_community`` did: ``created`` is False when a
+    community already had the host (any case), whose id and state it reports."""
+
+    id: UUID
+    host: str
+    deletion_state: str
+    created: bool

@@ -264,12 +264,13 @@ def _load_community(report: DemoReport, host: str, expiring: list[UUID]) -> None
         # Its data was loaded before it was fenced, and a fenced tenant takes no writes.
         report.skipped_hosts.append(host)
         return
-    stale = WorkflowAgentDelivery.objects.filter(community=community).exclude(
-        target_pubkey__in=agent_pubkeys(host)
-    )
+    # The keys an older demo gave its agents (bare digests, not signing keys); any
+    # other target is a key someone enrolled and served, and is none of the demo's.
+    older_keys = [demo_key(host, "agent", name) for name in AGENTS]
+    stale = WorkflowAgentDelivery.objects.filter(community=community, target_pubkey__in=older_keys)
     if stale.exists():
-        # Loaded by an older demo whose agent keys were not signing keys: its
-        # messages name those targets, so new deliveries could not be bound to them.
+        # Loaded by an older demo: its messages name those targets, so new deliveries
+        # could not be bound to them.
         report.stale_hosts.append(host)
         return
     # The demo agents are the community's roster: deliveries go only to enrolled keys.

@@ -29,6 +29,7 @@ from .holder import (
     release_lease,
     renew_delivery,
     retry_delivery,
+    unregister_idle,
 )
 from .maintenance import (
     count_prunable,
@@ -72,4 +73,5 @@ __all__ = [
     "retry_delivery",
     "retry_failed_deliveries",
     "send_message",
+    "unregister_idle",
 ]

@@ -465,6 +465,25 @@ def register_idle(
         )
 
 
+def unregister_idle(
+    community_id: UUID | str, targets: Iterable[bytes], *, using: str = DEFAULT_DB_ALIAS
+) -> None:
+    """Take back ``targets``' idle registrations, as a consumer does when it stops
+    cleanly: no wake-up is sent for them until a consumer registers them again."""
+    community_id = as_uuid("community_id", community_id)
+    if isinstance(targets, bytes | bytearray | str):
+        raise ProtocolError("targets", "must be a list of 32-byte public keys")
+    keys = sorted({as_bytes32("targets", target) for target in targets})
+    if not keys:
+        return
+    with run.cursor(using) as cursor:
+        run.execute(
+            cursor,
+            statements.UNREGISTER_IDLE,
+            {"community_id": community_id, "target_pubkeys": keys},
+        )
+
+
 def get_delivery(
     community_id: UUID | str, delivery_id: UUID | str, *, using: str = DEFAULT_DB_ALIAS
 ) -> DeliveryRecord | None:

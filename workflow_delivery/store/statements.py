@@ -242,6 +242,14 @@ SELECT %(community_id)s::uuid, t FROM unnest(%(target_pubkeys)s::bytea[]) AS t
 ON CONFLICT DO NOTHING
 """)
 
+# A consumer that stops cleanly takes its targets' registrations back: nothing of it
+# waits for a wake-up any more.
+UNREGISTER_IDLE = Statement(f"""
+DELETE FROM {IDLE}
+ WHERE community_id = %(community_id)s::uuid
+   AND target_pubkey = ANY(%(target_pubkeys)s::bytea[])
+""")
+
 # A claim stamps its lease by clock_timestamp(), the moment the row is taken: a claim
 # statement that began before the row was last reaped can still take it (the locking
 # read re-checks the newest version), and its own start would then date the new lease
