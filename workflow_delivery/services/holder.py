@@ -28,6 +28,7 @@ from ..protocol import (
     DeliveryStatus,
     ErrorReport,
     Exhausted,
+    FinishedAndNext,
     Lease,
     LeaseLost,
     MessageEvent,
@@ -217,16 +218,8 @@ def finish_delivery(
     ``error`` (only with ``failed``) is kept as the delivery's last error, as
     ``retry_delivery`` keeps it, and the timeline's ``failed`` entry carries it with
     its traceback: a failure for good, never retried."""
-    params = _lease_params(lease)
-    outcome = _outcome(outcome)
-    if error is not None:
-        if outcome is not Outcome.FAILED:
-            raise ProtocolError("error", "only a failed outcome records an error")
-        statement = statements.FAIL_WITH_ERROR
-        params.update(_error_params(error_report(error)))
-    else:
-        statement = statements.FINISH
-        params["outcome"] = outcome.value
+    params, outcome = _settle_params(lease, outcome, error)
+    statement = statements.FINISH if error is None else statements.FAIL_WITH_ERROR
     if run.fetch(using, statement, params):
         counters.SETTLED[outcome.value].inc()
         return Settled(outcome=outcome)
@@ -237,6 +230,66 @@ def finish_delivery(
         return AlreadyTerminal(status=DeliveryStatus(seen[0][0]))
     counters.LEASES_LOST.inc()
     return LeaseLost()
+
+
+def _settle_params(
+    lease: Lease, outcome: Outcome | str, error: str | BaseException | None
+) -> tuple[dict[str, object], Outcome]:
+    params = _lease_params(lease)
+    outcome = _outcome(outcome)
+    if error is not None:
+        if outcome is not Outcome.FAILED:
+            raise ProtocolError("error", "only a failed outcome records an error")
+        params.update(_error_params(error_report(error)))
+    else:
+        params["outcome"] = outcome.value
+    return params, outcome
+
+
+def finish_and_claim_next(
+    lease: Lease,
+    outcome: Outcome | str,
+    *,
+    error: str | BaseException | None = None,
+    target_pubkey: bytes | None = None,
+    lease_seconds: int | None = None,
+    using: str = DEFAULT_DB_ALIAS,
+) -> FinishedAndNext:
+    """Settle the delivery once, as ``finish_delivery`` does (same fences, same
+    answers, ``error`` likewise), and in the same statement, so in one commit, claim
+    the oldest claimable delivery of the lease's target (or of ``target_pubkey``, in
+    the lease's community) as ``claim_delivery`` does. Only a settle claims: an
+    ``AlreadyTerminal`` or ``LeaseLost`` result comes with no next delivery.
+
+    In autocommit the settle and the claim commit together; an answer lost with the
+    connection leaves the next delivery claimed until its lease runs out, as a lost
+    claim answer does (a retry of the settle answers ``AlreadyTerminal``)."""
+    params, outcome = _settle_params(lease, outcome, error)
+    next_target = (
+        lease.target_pubkey if target_pubkey is None else as_bytes32("target_pubkey", target_pubkey)
+    )
+    params["next_target_pubkey"] = next_target
+    params["lease_seconds"] = checked_lease_seconds(lease_seconds)
+    statement = (
+        statements.FINISH_AND_CLAIM_NEXT
+        if error is None
+        else statements.FAIL_WITH_ERROR_AND_CLAIM_NEXT
+    )
+    ((settled, seen, *claimed),) = run.fetch(using, statement, params)
+    if settled is None:
+        if seen is not None and DeliveryStatus(seen).is_terminal:
+            return FinishedAndNext(result=AlreadyTerminal(status=DeliveryStatus(seen)))
+        counters.LEASES_LOST.inc()
+        return FinishedAndNext(result=LeaseLost())
+    counters.SETTLED[outcome.value].inc()
+    if claimed[0] is None:
+        return FinishedAndNext(result=Settled(outcome=outcome))
+    counters.CLAIMS.inc()
+    record = rows.record(claimed)
+    return FinishedAndNext(
+        result=Settled(outcome=outcome),
+        next=(stored_lease(lease.community_id, next_target, record), record),
+    )
 
 
 def finish_deliveries(

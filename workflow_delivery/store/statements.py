@@ -262,25 +262,33 @@ UPDATE {DELIVERIES} AS d
 RETURNING {_RETURNING}"""
 
 
-def _claim(match: str = "", limit: str = "1") -> Statement:
-    """The claim of up to ``limit`` of a target's oldest pending rows that also meet
-    ``match`` (more conditions on the row). The oldest pending row nobody else holds:
-    a locked row is someone else's claim in flight, so it is skipped rather than
-    queued behind. The literal 'pending' lets a generic plan use the claim index; a
-    retried row still backing off is passed over by a filter on that index scan.
-    Parameters: ``community_id``, ``target_pubkey``, ``lease_seconds``, and
-    ``match``'s."""
-    return Statement(f"""
-WITH picked AS (
+def _picked(community: str, target: str, match: str = "", limit: str = "1", gate: str = "") -> str:
+    """The CTE ``picked``: up to ``limit`` of the target's oldest claimable rows (the
+    ``community`` and ``target`` expressions) that also meet ``match`` (more
+    conditions on the row) and ``gate`` (a condition of no row, asked first). The
+    oldest pending row nobody else holds: a locked row is someone else's claim in
+    flight, so it is skipped rather than queued behind. The literal 'pending' lets a
+    generic plan use the claim index; a retried row still backing off is passed over
+    by a filter on that index scan."""
+    return f"""picked AS (
     SELECT id FROM {DELIVERIES}
-     WHERE community_id = %(community_id)s AND target_pubkey = %(target_pubkey)s{match}
+     WHERE {gate}community_id = {community} AND target_pubkey = {target}{match}
        AND status = 'pending'
        AND (available_at IS NULL OR available_at <= statement_timestamp())
-       AND {entering_fence_once("%(community_id)s::uuid")}
+       AND {entering_fence_once(community + "::uuid")}
      ORDER BY created_at, id
      LIMIT {limit}
      FOR UPDATE SKIP LOCKED
-),
+)"""
+
+
+def _claim(match: str = "", limit: str = "1") -> Statement:
+    """The claim of up to ``limit`` of a target's oldest pending rows that also meet
+    ``match`` (``_picked``). Parameters: ``community_id``, ``target_pubkey``,
+    ``lease_seconds``, and ``match``'s."""
+    picked = _picked("%(community_id)s", "%(target_pubkey)s", match, limit)
+    return Statement(f"""
+WITH {picked},
 {_STAMP}
 {_CLAIM_PICKED}
 """)
@@ -314,18 +322,34 @@ _BACK_TO_PENDING = (
 # The lease fields a terminal row gives up (finish, operator mark failed).
 _SETTLE = "finished_at = statement_timestamp(), lease_until = NULL, claimed_at = NULL"
 
+
 # The four conditions of a live lease: claimed, same generation, same target, not
 # expired, against each statement's own clock. Parameters: the lease's
-# ``community_id``, ``delivery_id``, ``target_pubkey`` and ``generation``.
-_LEASE = """
-  community_id = %(community_id)s AND id = %(delivery_id)s
-  AND target_pubkey = %(target_pubkey)s AND lease_generation = %(generation)s
+# ``delivery_id`` and ``generation``; the community and target are expressions (by
+# default the parameters ``community_id`` and ``target_pubkey``).
+def _lease(community: str = "%(community_id)s", target: str = "%(target_pubkey)s") -> str:
+    return f"""
+  community_id = {community} AND id = %(delivery_id)s
+  AND target_pubkey = {target} AND lease_generation = %(generation)s
 """
-_LIVE_LEASE_AT_STATEMENT = f"""{_LEASE}
+
+
+def _live_lease_at_statement(
+    community: str = "%(community_id)s", target: str = "%(target_pubkey)s"
+) -> str:
+    return f"""{_lease(community, target)}
   AND status = 'claimed' AND lease_until >= statement_timestamp()
 """
-# The same, and the community's shared deletion lock, taken before the row.
-_LIVE_LEASE = f"{_LIVE_LEASE_AT_STATEMENT}  AND {entering_fence()}\n"
+
+
+def _live_lease(community: str = "%(community_id)s", target: str = "%(target_pubkey)s") -> str:
+    """The same, and the community's shared deletion lock, taken before the row."""
+    return f"{_live_lease_at_statement(community, target)}  AND {entering_fence()}\n"
+
+
+_LEASE = _lease()
+_LIVE_LEASE_AT_STATEMENT = _live_lease_at_statement()
+_LIVE_LEASE = _live_lease()
 
 RENEW = Statement(f"""
 UPDATE {DELIVERIES}
@@ -423,6 +447,60 @@ UPDATE {DELIVERIES} AS d
  WHERE {_LIVE_LEASE}
 RETURNING d.status
 """)
+
+
+# A holder's settle and its next claim in one statement, so one commit: ``settled``
+# is FINISH's (or FAIL_WITH_ERROR's) settle of the live lease, and the claim's
+# ``picked`` is gated on it, so a settle that did not happen claims nothing. The
+# held row is claimed, never pending, in the statement's snapshot, so the claim
+# cannot pick it. ``community`` and ``target`` name the lease's community and
+# target (expressions), ``next_target`` the target whose oldest claimable delivery
+# is claimed next; ``error`` settles failed and records the holder's error (the
+# ``note`` CTE must come first).
+def _settle_and_claim(community: str, target: str, next_target: str, *, error: bool) -> str:
+    if error:
+        settle = f"status = 'failed', {_SETTLE}, {_RECORD_ERROR}\n  FROM note"
+    else:
+        settle = f"status = %(outcome)s, {_SETTLE}"
+    gate = "EXISTS (SELECT 1 FROM settled) AND "
+    return f"""settled AS (
+    UPDATE {DELIVERIES} AS d
+       SET {settle}
+     WHERE {_live_lease(community, target)}
+    RETURNING d.status
+),
+{_picked(community, next_target, gate=gate)},
+{_STAMP},
+claimed AS ({_CLAIM_PICKED}
+)"""
+
+
+def _finish_and_claim_next(*, error: bool) -> Statement:
+    """The holder's settle-and-claim. Answers one row: the status settled (NULL when
+    nothing was), the status the lease's full capability sees when nothing was
+    settled (read FOR SHARE, so the latest committed version: a retry of a settle
+    sees its terminal status, as FINISH's follow-up statement would), then the
+    claimed record's columns (NULL when nothing was claimed). Parameters: the
+    lease's, ``outcome`` (or, with ``error``, ``traceback``, ``error_type``,
+    ``error_message``), ``next_target_pubkey``, ``lease_seconds``."""
+    operation = _settle_and_claim(
+        "%(community_id)s", "%(target_pubkey)s", "%(next_target_pubkey)s", error=error
+    )
+    note = f"{_ERROR_NOTE},\n" if error else ""
+    record = ", ".join(f"n.{_q(column)}" for column in RECORD_COLUMNS)
+    return Statement(f"""
+WITH {note}{operation}
+SELECT s.status,
+       (SELECT c.status FROM {DELIVERIES} AS c WHERE s.status IS NULL AND {_LEASE} FOR SHARE),
+       {record}
+  FROM (SELECT 1) AS one
+  LEFT JOIN settled AS s ON true
+  LEFT JOIN claimed AS n ON true
+""")
+
+
+FINISH_AND_CLAIM_NEXT = _finish_and_claim_next(error=False)
+FAIL_WITH_ERROR_AND_CLAIM_NEXT = _finish_and_claim_next(error=True)
 
 # A holder giving its own live lease back (a consumer stopping): back to pending,
 # fence bumped, and only at the holder's generation, so a newer holder is untouched.
