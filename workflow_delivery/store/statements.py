@@ -1049,6 +1049,65 @@ SERVED_FINISH = _admitted(
 )
 
 
+# The message event of a claimed row ``n`` (the event's columns NULL when the event is
+# not stored), as SERVED_CLAIM answers it.
+_MESSAGE_COLUMNS = "e.id, e.created_at, e.pubkey, e.kind, e.tags::text, e.content"
+_MESSAGE_OF_CLAIMED = f"""LEFT JOIN {EVENTS} AS e
+    ON e.community_id = n.community_id AND e.created_at = n.message_event_created_at
+   AND e.id = n.message_event_id"""
+_CLAIMED_RECORD = ", ".join(f"n.{_q(column)}" for column in RECORD_COLUMNS)
+
+# Settle the caller's live lease once and claim the caller's oldest claimable
+# delivery with it: the holder's settle-and-claim (``_settle_and_claim``) on the
+# community the request was admitted to, the caller's key as the lease's target and
+# the next one's. As SERVED_FINISH: for a lease that settled nothing the row as the
+# caller's capability sees it is read FOR SHARE; a terminal row answers its status
+# (and claims nothing), anything else refuses (``lease_lost``). Parameters after the
+# admission's: ``outcome``, ``delivery_id``, ``generation``, ``lease_seconds``.
+# Answers the admission, the settled status, the status seen, the refusal's column,
+# then the claimed record and its message (NULL when nothing was claimed).
+_ADMITTED_COMMUNITY = "(SELECT community_id FROM recorded)"
+SERVED_FINISH_AND_CLAIM_NEXT = _admitted(
+    f"""{_settle_and_claim(_ADMITTED_COMMUNITY, "%(pubkey)s", "%(pubkey)s", error=False)},
+seen AS (
+    SELECT a.recorded, s.status AS settled,
+           (SELECT c.status FROM {DELIVERIES} AS c
+             WHERE a.recorded AND s.status IS NULL AND {_lease("a.community_id", "%(pubkey)s")}
+               FOR SHARE) AS status
+      FROM admission AS a LEFT JOIN settled AS s ON true
+)""",
+    f"""SELECT {_ADMISSION}, seen.settled, seen.status,
+       CASE WHEN seen.recorded AND seen.settled IS NULL
+                 AND (seen.status IS NULL OR seen.status NOT IN ('finished', 'failed'))
+            THEN {_REFUSE} END,
+       {_CLAIMED_RECORD}, {_MESSAGE_COLUMNS}
+  FROM admission AS a CROSS JOIN seen
+  LEFT JOIN claimed AS n ON true
+  {_MESSAGE_OF_CLAIMED}""",
+)
+
+# The claim of a request admitted earlier (a waiting claim, after its wake-up): the
+# single claim of the key's oldest claimable delivery, with its message, only while
+# the key is an enabled agent of the community. The standing is read once, as a gate
+# before the scan, under the roster's shared lock (``wd_agent_standing``), held to
+# the end of the statement's transaction: a revocation waits for the claim, and a
+# claim after a revocation takes nothing. Parameters: ``community_id``,
+# ``target_pubkey``, ``lease_seconds``. Answers the claimed record and its message,
+# no row when nothing was claimed.
+_ENROLLED = (
+    "(SELECT wd_agent_standing(%(community_id)s::uuid, %(target_pubkey)s::bytea)) = 'enabled' AND "
+)
+CLAIM_ENROLLED = Statement(f"""
+WITH {_picked("%(community_id)s", "%(target_pubkey)s", gate=_ENROLLED)},
+{_STAMP},
+claimed AS ({_CLAIM_PICKED}
+)
+SELECT {_CLAIMED_RECORD}, {_MESSAGE_COLUMNS}
+  FROM claimed AS n
+  {_MESSAGE_OF_CLAIMED}
+""")
+
+
 # --- Read-only views: metrics, the admin's overview and target page --------------------
 
 # Metrics: each served by a partial index (the heap of terminal rows is never read).
