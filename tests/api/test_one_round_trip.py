@@ -265,3 +265,22 @@ def test_a_key_revoked_while_its_claim_waits_claims_nothing(client, agent, setti
     assert answer(agent.call(client, "POST", "v1/claim", {"wait": 2}), 204) is None
     revoker.join(10)
     assert stored(agent.delivery.id) == ("pending", 2)
+
+
+def test_the_new_answers_are_what_the_openapi_document_declares(client, agent):
+    from tests.api.test_operations import _closed, _conforms
+
+    openapi = _closed(answer(client.get("/agents/v1/openapi.json"), 200))
+    more(agent, 1)
+    claimed = answer(agent.call(client, "POST", "v1/claim", {"wait": 5}), 200)
+    _conforms(openapi, "v1/claim", "post", claimed)
+    body = {"generation": 1, "outcome": "finished", "next": True}
+    one = "v1/deliveries/{delivery_id}/finish"
+    settled = answer(agent.call(client, "POST", finish_path(claimed["lease"]), body), 200)
+    assert settled["next"] is not None
+    _conforms(openapi, one, "post", settled)
+    last = answer(agent.call(client, "POST", finish_path(settled["next"]["lease"]), body), 200)
+    assert last["next"] is None
+    _conforms(openapi, one, "post", last)
+    again = answer(agent.call(client, "POST", finish_path(settled["next"]["lease"]), body), 200)
+    _conforms(openapi, one, "post", again)
