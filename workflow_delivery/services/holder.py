@@ -51,7 +51,7 @@ from ..store import rows, run, statements
 from ..store.errors import REQUEST_REFUSED
 from ..validation import LEASE_SECONDS_BOUND, is_delay_seconds, is_whole_number
 from ._common import _max_attempts
-from .replay import admission_params, stored_admission
+from .replay import _admission_params, _stored_admission
 
 # A lease built only to check its fields: the database judges expiry by its own clock.
 _NO_TIME = datetime.min.replace(tzinfo=UTC)
@@ -329,10 +329,10 @@ def claim_admitted(
     replay guard) and, once admitted, claim the key's oldest claimable delivery with
     its message, in one statement: the request's admission and the claim or None.
     A request refused records nothing and claims nothing."""
-    params = admission_params(request)
+    params = _admission_params(request)
     params.update(limit=1, lease_seconds=checked_lease_seconds(lease_seconds))
     answer = run.fetch(using, statements.SERVED_CLAIM, params)
-    admission = stored_admission(*answer[0][:4])
+    admission = _stored_admission(*answer[0][:4])
     claimed = None
     if admission.recorded:
         claimed = _claimed(admission.community_id, params["pubkey"], answer[0][4:])
@@ -375,7 +375,7 @@ def finish_and_claim_next_admitted(
     ``finish_and_claim_next`` does. The admission is None when the request was
     admitted and its lease was lost: the statement then rolled back, the replay row
     too, so nothing of the request is kept and an honest retry is judged afresh."""
-    params = admission_params(request)
+    params = _admission_params(request)
     lease = Lease(
         community_id=UUID(int=0),
         delivery_id=as_uuid("delivery_id", delivery_id),
@@ -398,7 +398,7 @@ def finish_and_claim_next_admitted(
         counters.LEASES_LOST.inc()
         return None, FinishedAndNext(result=LeaseLost())
     row = answer[0]
-    admission = stored_admission(*row[:4])
+    admission = _stored_admission(*row[:4])
     settled, seen = row[4], row[5]
     if settled is None:
         if not admission.recorded:

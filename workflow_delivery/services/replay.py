@@ -86,7 +86,7 @@ def admit_request_event(
     )
 
 
-def admission_params(request: RequestEvent) -> dict[str, object]:
+def _admission_params(request: RequestEvent) -> dict[str, object]:
     """The parameters of a statement that admits ``request`` (``statements._admitted``):
     the freshness window, the host, the key, the event's id and time, each checked."""
     if not isinstance(request, RequestEvent):
@@ -103,7 +103,7 @@ def admission_params(request: RequestEvent) -> dict[str, object]:
     }
 
 
-def stored_admission(
+def _stored_admission(
     community_id: UUID | None, fresh: bool, recorded: bool, standing: str | None
 ) -> RequestAdmission:
     """The admission columns every admitting statement answers first."""
