@@ -20,7 +20,8 @@ inside the measured window count. Each side's CPU per cycle is reported too: the
 agents' own processes, and the rest of the machine (the server, PostgreSQL, anything
 else running), from ``/proc/stat``. Each HTTP agent is an ``AgentClient`` (signing
 every request). Then, per server, ``--wake-samples`` commit -> ``wait`` answers of
-one parked agent, and (uvicorn) the HTTP side again while ``--waiters`` other
+one parked agent (and the same for an agent parked in a claim with ``wait``,
+commit -> lease in hand), and (uvicorn) the HTTP side again while ``--waiters`` other
 agents sit in ``wait``, against the HTTP side alone just before.
 """
 
@@ -108,6 +109,25 @@ def _agent(
 
         def finish(claimed):
             return client.finish_many([(lease, "finished") for lease, _record in claimed])
+
+        close = client.close
+    elif mode == "http-next":
+        from workflow_delivery.client import AgentClient
+
+        client = AgentClient(f"{where}/agents/", secret)
+        # The busy agent: each finish claims the next delivery in the same request, so
+        # a plain claim is sent only when nothing is held (the start, after a miss).
+        held: list = [None]
+
+        def claim():
+            return held[0] or client.claim(lease_seconds=LEASE_SECONDS)
+
+        def finish(claimed):
+            answer = client.finish_and_claim_next(
+                claimed[0], "finished", lease_seconds=LEASE_SECONDS
+            )
+            held[0] = answer.next
+            return answer.result
 
         close = client.close
     else:
@@ -287,7 +307,7 @@ def _commit_one(tenant: common.Tenant, target: bytes) -> None:
     services.commit_deliveries(tenant.community_id, tenant.message_created_at, [delivery])
 
 
-def _wake_phase(url: str, tenant: common.Tenant, samples: int) -> dict:
+def _wake_phase(url: str, tenant: common.Tenant, samples: int, *, claim: bool = False) -> dict:
     """Commit -> answer of one agent parked in ``wait``: the clock starts before the
     producer's ``commit_deliveries`` is called (so it includes the commit) and stops
     when the agent's ``wait`` returns the delivery. The agent claims and finishes
@@ -295,7 +315,8 @@ def _wake_phase(url: str, tenant: common.Tenant, samples: int) -> dict:
     target is registered idle and 20 ms more have passed, so each is announced by
     the commit's own notification, not found by the wait's first look. The commit's
     own time (its WAL flush) and the rest (notification, server, answer) are reported
-    apart as well."""
+    apart as well. With ``claim`` the agent waits in ``POST v1/claim`` with ``wait``
+    instead: the clock stops when the lease is in its hand (commit -> lease)."""
     import queue
 
     from workflow_delivery import roster
@@ -312,6 +333,12 @@ def _wake_phase(url: str, tenant: common.Tenant, samples: int) -> dict:
     def agent() -> None:
         with AgentClient(f"{url}/agents/", secret, timeout=30) as client:
             while not stop.is_set():
+                if claim:
+                    claimed = client.claim(wait=10, lease_seconds=LEASE_SECONDS)
+                    answers.put((time.monotonic(), claimed))
+                    if claimed is not None:
+                        client.finish(claimed.lease, "finished")
+                    continue
                 hint = client.wait(timeout=10)
                 answers.put((time.monotonic(), hint))
                 if hint is not None:
@@ -456,7 +483,7 @@ def main(argv: list[str] | None = None) -> int:
         for run in range(1, options.runs + 1):
             rounds: dict[str, dict] = {}
             for server in servers:
-                lines = [("http", server)]
+                lines = [("http", server), ("http-next", f"{server} finish with next")]
                 if options.batch:
                     lines.append(("http-batch", f"{server} batch of {options.batch}"))
                 for mode, label in lines:
@@ -476,12 +503,16 @@ def main(argv: list[str] | None = None) -> int:
         wakes = {}
         if options.wake_samples:
             for server in servers:
-                wakes[server] = _wake_phase(urls[server], tenant, options.wake_samples)
-                print(
-                    f"  wait woken ({server}): commit -> answer p50"
-                    f" {wakes[server]['p50_ms']:.2f} ms, p99 {wakes[server]['p99_ms']:.2f} ms",
-                    flush=True,
-                )
+                for label, waiting_claim in ((server, False), (f"{server} claim", True)):
+                    wakes[label] = _wake_phase(
+                        urls[server], tenant, options.wake_samples, claim=waiting_claim
+                    )
+                    print(
+                        f"  {'claim' if waiting_claim else 'wait'} woken ({server}): commit ->"
+                        f" answer p50 {wakes[label]['p50_ms']:.2f} ms,"
+                        f" p99 {wakes[label]['p99_ms']:.2f} ms",
+                        flush=True,
+                    )
 
         waiting = crowd_ratio = None
         if options.waiters and "uvicorn" in urls:

@@ -137,6 +137,40 @@ def throughput(db: common.BenchDb, options: Options) -> list[Figure]:
     return figures
 
 
+def settle_next(db: common.BenchDb, options: Options) -> list[Figure]:
+    """The services' busy loop with ``finish_and_claim_next`` (one statement and one
+    commit per delivery) against the hand-written one-statement settle-and-claim loop,
+    and against the hand-written two-statement claim+finish cycle; each pair takes
+    turns in one window, at 8 workers (and 1)."""
+    figures = []
+    pairs = (
+        ("cycle-chain", "hand-written one-statement settle-and-claim", 0.95),
+        ("cycle-chain-two", "hand-written two-statement claim+finish", 1.3),
+    )
+    for workers in sorted({1, options.workers or 8}, reverse=True):
+        for kind, against, bar in pairs:
+            rates: dict[str, list[float]] = {SERVICE: [], BASELINE: []}
+            notes: list[str] = []
+            for round_ in range(1, options.rounds + 1):
+                desc = f"settle_next vs {kind}, {workers} workers #{round_}"
+                phase = _cycle_phase(db, BOTH, workers, options, desc, kind=kind)
+                for api in rates:
+                    rates[api].append(phase.rate(api=api))
+                notes += _notes(phase)
+            figures.append(
+                Figure(
+                    "settle_next",
+                    f"finish_and_claim_next loop vs {against}, {workers} workers",
+                    mean(rates[SERVICE]),
+                    mean(rates[BASELINE]),
+                    "deliveries/s",
+                    bar=bar,
+                    notes=notes,
+                )
+            )
+    return figures
+
+
 def batch(db: common.BenchDb, options: Options) -> list[Figure]:
     """Batch claim of ``BATCH`` + one batch finish against today's single claim +
     finish, both through the service, taking turns in one window."""
@@ -564,6 +598,7 @@ def latency(db: common.BenchDb, options: Options) -> list[Figure]:
 
 BENCHMARKS: dict[str, Callable[[common.BenchDb, Options], list[Figure]]] = {
     "throughput": throughput,
+    "settle_next": settle_next,
     "batch": batch,
     "producer": producer,
     "bare": bare,

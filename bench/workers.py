@@ -63,6 +63,32 @@ UPDATE workflow_agent_deliveries
    AND status = 'claimed' AND lease_until >= now()
 RETURNING status
 """
+# The hand-written one-statement loop: the held delivery settles and, only if it
+# did, the oldest pending delivery of the next target is claimed, in one statement.
+BASELINE_FINISH_AND_CLAIM = f"""
+WITH settled AS (
+    UPDATE workflow_agent_deliveries
+       SET status = 'finished', finished_at = now(), lease_until = NULL, claimed_at = NULL
+     WHERE community_id = %s AND id = %s AND target_pubkey = %s AND lease_generation = %s
+       AND status = 'claimed' AND lease_until >= now()
+    RETURNING status
+), picked AS (
+    SELECT id FROM workflow_agent_deliveries
+     WHERE EXISTS (SELECT 1 FROM settled)
+       AND community_id = %s AND target_pubkey = %s AND status = 'pending'
+     ORDER BY created_at, id
+     LIMIT 1
+     FOR UPDATE SKIP LOCKED
+), claimed AS (
+    UPDATE workflow_agent_deliveries AS d
+       SET status = 'claimed', lease_generation = d.lease_generation + 1,
+           claimed_at = now(), lease_until = now() + make_interval(secs => %s)
+      FROM picked
+     WHERE d.id = picked.id
+    RETURNING {_COLUMNS}
+)
+SELECT (SELECT status FROM settled), claimed.* FROM (SELECT 1) AS one LEFT JOIN claimed ON true
+"""
 _INSERT_ROW = "(%s, %s, %s, %s, %s, %s, %s, %s, %s, 'event', %s)"
 BASELINE_INSERT = (
     "INSERT INTO workflow_agent_deliveries (id, community_id, workflow_id, run_id, step_id, "
@@ -149,6 +175,77 @@ def _baseline_cycle(spec: Spec) -> tuple[Unit, Callable[[], None]]:
         settled = cursor.fetchone() is not None
         finished_at = time.perf_counter()
         return int(settled), claimed_at - started, finished_at - claimed_at
+
+    return unit, conn.close
+
+
+def _service_chain(spec: Spec) -> tuple[Unit, Callable[[], None]]:
+    """The services' busy loop: each unit settles the held delivery and claims the next
+    (of the next target) with ``finish_and_claim_next``; a plain claim only when
+    nothing is held (the start, or after a miss)."""
+    spec.db.setup_django()
+    from django.db import connections
+
+    from workflow_delivery import services
+    from workflow_delivery.protocol import Outcome, Settled
+
+    community = spec.tenant.community_id
+    held: list = [None]
+
+    def unit(n: int) -> tuple[int, float, float] | None:
+        started = time.perf_counter()
+        if held[0] is None:
+            target = common.target_key(spec.index * 8 + n)
+            claimed = services.claim_delivery(community, target, lease_seconds=LEASE_SECONDS)
+            if claimed is None:
+                return None
+            held[0] = claimed[0]
+        claimed_at = time.perf_counter()
+        answer = services.finish_and_claim_next(
+            held[0],
+            Outcome.FINISHED,
+            target_pubkey=common.target_key(spec.index * 8 + n + 1),
+            lease_seconds=LEASE_SECONDS,
+        )
+        held[0] = None if answer.next is None else answer.next[0]
+        finished_at = time.perf_counter()
+        return (
+            int(isinstance(answer.result, Settled)),
+            claimed_at - started,
+            finished_at - claimed_at,
+        )
+
+    return unit, connections.close_all
+
+
+def _baseline_chain(spec: Spec) -> tuple[Unit, Callable[[], None]]:
+    """The same loop written by hand: BASELINE_FINISH_AND_CLAIM, prepared."""
+    conn = spec.db.connect()
+    cursor = conn.cursor()
+    community = spec.tenant.community_id
+    held: list = [None]
+
+    def unit(n: int) -> tuple[int, float, float] | None:
+        started = time.perf_counter()
+        if held[0] is None:
+            target = common.target_key(spec.index * 8 + n)
+            cursor.execute(BASELINE_CLAIM, [community, target, LEASE_SECONDS], prepare=True)
+            row = cursor.fetchone()
+            if row is None:
+                return None
+            held[0] = (row[0], target, row[14])
+        claimed_at = time.perf_counter()
+        delivery_id, target, generation = held[0]
+        following = common.target_key(spec.index * 8 + n + 1)
+        cursor.execute(
+            BASELINE_FINISH_AND_CLAIM,
+            [community, delivery_id, target, generation, community, following, LEASE_SECONDS],
+            prepare=True,
+        )
+        row = cursor.fetchone()
+        held[0] = None if row[1] is None else (row[1], following, row[15])
+        finished_at = time.perf_counter()
+        return int(row[0] is not None), claimed_at - started, finished_at - claimed_at
 
     return unit, conn.close
 
@@ -330,6 +427,12 @@ def _timeline_cycle(on: bool) -> Callable[[Spec], tuple[Unit, Callable[[], None]
 _LOOPS = {
     ("cycle", SERVICE): _service_cycle,
     ("cycle", BASELINE): _baseline_cycle,
+    # The services' settle-and-claim loop against the same written by hand in one
+    # statement, and against the hand-written two-statement cycle.
+    ("cycle-chain", SERVICE): _service_chain,
+    ("cycle-chain", BASELINE): _baseline_chain,
+    ("cycle-chain-two", SERVICE): _service_chain,
+    ("cycle-chain-two", BASELINE): _baseline_cycle,
     # The timeline on ("service") against off, the same service cycle otherwise.
     ("cycle-timeline", SERVICE): _timeline_cycle(True),
     ("cycle-timeline", BASELINE): _timeline_cycle(False),

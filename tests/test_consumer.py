@@ -304,3 +304,66 @@ def test_a_heartbeat_behind_the_handlers_own_block_is_busy_not_lost(db, effects)
     assert stats.finished == 1 and stats.lost == 0, stats
     assert effect_count(delivery.id) == 1
     assert status(delivery.id) == DeliveryStatus.FINISHED
+
+
+# -- settling and claiming the next in one statement ----------------------------------
+
+
+def row_xmin(delivery_id) -> int:
+    """The transaction that last wrote the delivery's row."""
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "SELECT xmin::text::bigint FROM workflow_agent_deliveries WHERE id = %s", [delivery_id]
+        )
+        return cursor.fetchone()[0]
+
+
+def backlog(step: factories.Step, count: int) -> list:
+    ids = []
+    for n in range(count):
+        ids += [delivery.id for delivery in factories.committed(step)]
+        step.step_id = f"step-{n + 2}"
+    return ids
+
+
+def test_a_busy_worker_settles_each_delivery_and_claims_the_next_in_one_transaction(db):
+    step = factories.Step(targets=1)
+    ids = backlog(step, 4)
+    handled: list = []
+    same_transaction: list[bool] = []
+
+    def body(record, lease, context) -> None:
+        if handled:
+            # The previous delivery settled in the transaction that claimed this one.
+            same_transaction.append(row_xmin(handled[-1]) == row_xmin(record.id))
+        handled.append(record.id)
+
+    consumer = consumer_for(step, Recorder(body), max_deliveries=4, listen=False)
+    with Running(consumer) as running:
+        running.join()
+    assert handled == ids
+    assert same_transaction == [True, True, True]
+    assert {status(delivery_id) for delivery_id in ids} == {DeliveryStatus.FINISHED}
+    assert running.stats.claimed == running.stats.finished == 4
+
+
+def test_max_deliveries_bounds_the_claims_made_with_a_settle(db):
+    step = factories.Step(targets=1)
+    first, second, third = backlog(step, 3)
+    consumer = consumer_for(step, Recorder(), max_deliveries=2, listen=False)
+    with Running(consumer) as running:
+        running.join()
+    assert [status(first), status(second)] == [DeliveryStatus.FINISHED] * 2
+    left = WorkflowAgentDelivery.objects.get(pk=third)
+    assert (left.status, left.lease_generation) == ("pending", 0)
+
+
+def test_a_settle_claims_the_next_target_in_turn(db):
+    step = factories.Step(targets=2)
+    backlog(step, 3)
+    targets: list[bytes] = []
+    handler = Recorder(lambda record, lease, context: targets.append(record.binding.target_pubkey))
+    consumer = consumer_for(step, handler, max_deliveries=6, listen=False)
+    with Running(consumer) as running:
+        running.join()
+    assert targets == [step.targets[0], step.targets[1]] * 3

@@ -33,6 +33,7 @@ from .protocol import (
     DeliveryBinding,
     DeliveryRecord,
     DeliveryStatus,
+    FinishedAndNext,
     Lease,
     LeaseLost,
     MessageEvent,
@@ -200,18 +201,25 @@ class AgentClient:
         lease_seconds: int | None = None,
         delivery_id: UUID | str | None = None,
         expected: DeliveryBinding | None = None,
+        wait: int | None = None,
     ) -> Claimed | None:
         """Claim this agent's oldest pending delivery (or exactly ``delivery_id``, or only
         one bound as ``expected``); None on a miss. The answer unpacks as ``(lease,
-        record)`` and carries the message in ``.message``."""
+        record)`` and carries the message in ``.message``. With ``wait`` (0-60 seconds)
+        the server answers as soon as a delivery is claimable, or None at the end."""
         document: dict[str, object] = {}
+        timeout = None
+        if wait is not None:
+            document["wait"] = wait
+            # The request's own timeout outlasts the server's wait.
+            timeout = self.timeout + wait
         if lease_seconds is not None:
             document["lease_seconds"] = lease_seconds
         if delivery_id is not None:
             document["delivery_id"] = str(delivery_id)
         if expected is not None:
             document["expected"] = wire.binding_document(expected)
-        status, answer = self.request("POST", "v1/claim", document)
+        status, answer = self.request("POST", "v1/claim", document, timeout=timeout)
         if status == 204:
             return None
         if status != 200:
@@ -287,6 +295,30 @@ class AgentClient:
         if status != 200:
             raise self._refusal(status, answer)
         return self._settlement(answer)
+
+    def finish_and_claim_next(
+        self, lease: Lease, outcome: Outcome | str, *, lease_seconds: int | None = None
+    ) -> FinishedAndNext:
+        """Settle the lease once and, in the same request (and statement), claim this
+        agent's oldest claimable delivery: the settle's result and the next ``Claimed``
+        (with its message), or None when there is none or nothing settled."""
+        document: dict[str, object] = {
+            "generation": lease.generation,
+            "outcome": Outcome(outcome).value,
+            "next": True,
+        }
+        if lease_seconds is not None:
+            document["lease_seconds"] = lease_seconds
+        status, answer = self.request("POST", f"v1/deliveries/{lease.delivery_id}/finish", document)
+        if self._lease_lost(status, answer):
+            return FinishedAndNext(result=LeaseLost())
+        if status != 200:
+            raise self._refusal(status, answer)
+        claimed = answer.get("next")
+        return FinishedAndNext(
+            result=self._settlement(answer),
+            next=None if claimed is None else self._claimed(claimed),
+        )
 
     def _read(self, delivery_id: UUID | str) -> dict | None:
         status, answer = self.request("GET", f"v1/deliveries/{delivery_id}")

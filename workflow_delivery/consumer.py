@@ -552,14 +552,24 @@ class Consumer:
         # Workers start at different targets and take them in turn (see _claim).
         turn = [index]
         backoff = 0.0
+        # What the last settle claimed with it (reserved already), and whether it found
+        # nothing for the only target: then a claim now would miss again.
+        claimed: tuple[Lease, DeliveryRecord] | None = None
+        missed = False
         try:
             while not self._stopping.is_set():
+                if claimed is not None:
+                    current, claimed = claimed, None
+                    claimed = self._handle(*current, turn=turn)
+                    missed = claimed is None and len(self.targets) == 1
+                    continue
                 if not self._reserve():
                     return
                 with self._wake:
                     seen = self._wake_seq
                 try:
-                    claimed = self._claim(turn)
+                    claimed = None if missed else self._claim(turn)
+                    missed = False
                     if claimed is None and self._heard.is_set() and self.targets:
                         # Registered while the session listens, a commit from now on
                         # wakes us; this poll finds one that came before.
@@ -585,8 +595,14 @@ class Consumer:
                         if self._wake_seq == seen and not self._stopping.is_set():
                             self._wake.wait(self.poll_interval)
                     continue
-                self._handle(*claimed)
         finally:
+            if claimed is not None:
+                # Claimed with the last settle as the worker stopped: give it back.
+                self._unreserve()
+                try:
+                    services.release_lease(claimed[0], using=self.using)
+                except CONNECTION_ERRORS as exc:
+                    logger.warning("could not release %s (%s)", claimed[0].delivery_id, exc)
             connections[self.using].close()
 
     def _claim(self, turn: list[int]) -> tuple[Lease, DeliveryRecord] | None:
@@ -610,7 +626,11 @@ class Consumer:
                 return claimed
         return None
 
-    def _handle(self, lease: Lease, record: DeliveryRecord) -> None:
+    def _handle(
+        self, lease: Lease, record: DeliveryRecord, *, turn: list[int] | None = None
+    ) -> tuple[Lease, DeliveryRecord] | None:
+        """Run the handler on a claimed delivery and settle it; the next delivery
+        claimed with the settle (of the target whose turn it is), if any."""
         self._count("claimed")
         context = DeliveryContext(self, record, lease)
         self._heartbeat.track(context)
@@ -647,7 +667,8 @@ class Consumer:
         elif outcome is None:
             self._give_back(context)
         else:
-            self._settle(context, outcome, error)
+            return self._settle(context, outcome, error, turn=turn)
+        return None
 
     def _retrying(self, action: Callable[[], Any], context: DeliveryContext) -> Any:
         """``action()``, retried after a lost connection for as long as the lease
@@ -666,12 +687,26 @@ class Consumer:
                 time.sleep(backoff)
 
     def _settle(
-        self, context: DeliveryContext, outcome: Outcome, error: Exception | None = None
-    ) -> None:
-        result = self._retrying(
-            lambda: services.finish_delivery(context.lease, outcome, error=error, using=self.using),
-            context,
-        )
+        self,
+        context: DeliveryContext,
+        outcome: Outcome,
+        error: Exception | None = None,
+        *,
+        turn: list[int] | None = None,
+    ) -> tuple[Lease, DeliveryRecord] | None:
+        """Settle the delivery; with room for another (``turn`` given, not stopping,
+        under ``max_deliveries``), claim the next one in the same statement and
+        return it."""
+        claimed = None
+        if turn is not None and not self._stopping.is_set() and self._reserve():
+            claimed, result = self._settle_and_claim(context, outcome, error, turn)
+        else:
+            result = self._retrying(
+                lambda: services.finish_delivery(
+                    context.lease, outcome, error=error, using=self.using
+                ),
+                context,
+            )
         if isinstance(result, Settled):
             self._count(result.outcome.value)
         elif isinstance(result, AlreadyTerminal):
@@ -680,6 +715,49 @@ class Consumer:
         else:
             context.lost.set()
             self._count("lost")
+        return claimed
+
+    def _settle_and_claim(
+        self, context: DeliveryContext, outcome: Outcome, error: Exception | None, turn: list[int]
+    ) -> tuple[tuple[Lease, DeliveryRecord] | None, Any]:
+        """``finish_and_claim_next`` for the target whose turn it is, with one claim
+        reserved; a retry after a lost connection only settles (the first answer may
+        have claimed a delivery already, which its lease's end hands back)."""
+        targets = self.targets  # the roster may replace the list meanwhile
+        if not targets:
+            self._unreserve()
+            settle = lambda: services.finish_delivery(  # noqa: E731
+                context.lease, outcome, error=error, using=self.using
+            )
+            return None, self._retrying(settle, context)
+        position = turn[0] % len(targets)
+        try:
+            answer = services.finish_and_claim_next(
+                context.lease,
+                outcome,
+                error=error,
+                target_pubkey=targets[position],
+                lease_seconds=self.lease_seconds,
+                using=self.using,
+            )
+        except CONNECTION_ERRORS as exc:
+            self._unreserve()
+            _recover(self, exc)
+            result = self._retrying(
+                lambda: services.finish_delivery(
+                    context.lease, outcome, error=error, using=self.using
+                ),
+                context,
+            )
+            return None, result
+        except BaseException:
+            self._unreserve()
+            raise
+        # The next claim starts after this target either way: it gave one, or none.
+        turn[0] = (position + 1) % len(targets)
+        if answer.next is None:
+            self._unreserve()
+        return answer.next, answer.result
 
     def _retry(self, context: DeliveryContext, error: Exception) -> None:
         result = self._retrying(

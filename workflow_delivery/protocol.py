@@ -40,6 +40,7 @@ __all__ = [
     "EventCause",
     "Exhausted",
     "FinishResult",
+    "FinishedAndNext",
     "Lease",
     "LeaseLost",
     "MessageEvent",
@@ -51,6 +52,7 @@ __all__ = [
     "RenewResult",
     "Renewed",
     "RequestAdmission",
+    "RequestEvent",
     "Retried",
     "RetryResult",
     "Revocation",
@@ -509,6 +511,30 @@ class Exhausted:
     settled ``failed`` with its error kept, as the reaper settles such a lease."""
 
     attempts: int
+
+
+@dataclass(frozen=True, slots=True)
+class FinishedAndNext:
+    """A settle and the claim that came with it: ``result`` is what ``finish_delivery``
+    would have answered; ``next`` the next delivery claimed in the same statement
+    (a ``(lease, record)`` pair, or a ``Claimed`` with its message over the agent
+    API), None when nothing was claimed. Only a ``Settled`` result claims."""
+
+    result: Settled | AlreadyTerminal | LeaseLost
+    next: tuple[Lease, DeliveryRecord] | Claimed | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class RequestEvent:
+    """A signed request as the services admit it: the host it names, its event's id
+    and ``created_at`` (whole seconds), and the key that signed it. The signature is
+    checked before (``api.nip98``); the services check the rest (community, roster,
+    freshness, replay) in the statement that serves the request."""
+
+    host: str
+    event_id: bytes
+    created_at: int
+    pubkey: bytes
 
 
 RenewResult: TypeAlias = Renewed | LeaseLost

@@ -53,6 +53,7 @@ from workflow_delivery.protocol import (
     MESSAGE_V1_MARKER,
     Cause,
     CauseKind,
+    Claimed,
     DeliveryBinding,
     DeliveryRecord,
     EventCause,
@@ -460,8 +461,11 @@ class HttpAgent:
     """A simulated agent on the agent HTTP API: an ``AgentClient`` signing as one
     demo identity, talking to the community's host while connecting to the local
     server at ``connect_to``. It claims, works a moment, renews now and then and
-    finishes (one in ten failed). Between misses it asks ``wait`` for at most a
-    second: under a WSGI server every waiting request holds a server thread."""
+    finishes (one in ten failed), claiming its next delivery with the finish: one
+    request per delivery while it is busy. With nothing to claim, its claim waits for
+    at most a second: under a WSGI server every waiting request holds a server
+    thread. A delivery claimed with its last finish, as it stops, is left to its
+    lease's end."""
 
     base_url: str
     secret_key: bytes
@@ -472,30 +476,41 @@ class HttpAgent:
     def run(self, until: Until, tally: AgentTally) -> None:
         rng = random.Random(self.seed)
         with AgentClient(self.base_url, self.secret_key, connect_to=self.connect_to) as client:
+            claimed: Claimed | None = None
             while not until():
                 try:
-                    self._one(client, rng, until, tally)
+                    claimed = self._one(client, rng, until, tally, claimed)
                 except (OSError, http.client.HTTPException, AgentApiError) as exc:
                     logger.warning("HTTP agent at %s: %s; retrying in 1 s", self.base_url, exc)
                     tally.add("http_errors")
+                    claimed = None
                     _pause(until, 1.0)
 
     def _one(
-        self, client: AgentClient, rng: random.Random, until: Until, tally: AgentTally
-    ) -> None:
-        claimed = client.claim(lease_seconds=self.lease_seconds)
+        self,
+        client: AgentClient,
+        rng: random.Random,
+        until: Until,
+        tally: AgentTally,
+        claimed: Claimed | None,
+    ) -> Claimed | None:
+        """Work on ``claimed`` (or on what a waiting claim gives) and settle it; the
+        delivery claimed with the settle, if any."""
         if claimed is None:
-            client.wait(timeout=1)
-            return
-        lease, _record = claimed
+            claimed = client.claim(lease_seconds=self.lease_seconds, wait=1)
+            if claimed is None:
+                return None
+        lease = claimed.lease
         tally.add("http_claimed")
         _pause(until, rng.uniform(0.05, 0.4))
         if rng.random() < 0.5:
             renewed = client.renew(lease, lease_seconds=self.lease_seconds)
             tally.add("http_lost" if isinstance(renewed, LeaseLost) else "http_renewed")
         outcome = Outcome.FAILED if rng.random() < 0.1 else Outcome.FINISHED
-        result = client.finish(lease, outcome)
+        answer = client.finish_and_claim_next(lease, outcome, lease_seconds=self.lease_seconds)
+        result = answer.result
         tally.add("http_lost" if isinstance(result, LeaseLost) else f"http_{outcome.value}")
+        return None if until() else answer.next
 
 
 SimulatedAgent = Agent | CrashingAgent | HttpAgent

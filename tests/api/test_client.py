@@ -3,13 +3,23 @@ is not the API's JSON, the message it returns, the batch calls."""
 
 from __future__ import annotations
 
+import threading
+import time
+
 import pytest
+from django.db import connections
 
 from tests import factories
 from tests.agent_http import pubkey, secret
 from workflow_delivery.client import AgentClient
 from workflow_delivery.exceptions import AgentApiError
-from workflow_delivery.protocol import AlreadyTerminal, LeaseLost, Outcome, Settled
+from workflow_delivery.protocol import (
+    AlreadyTerminal,
+    DeliveryStatus,
+    LeaseLost,
+    Outcome,
+    Settled,
+)
 
 # The live server runs in another thread: the rows must be committed.
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -65,3 +75,47 @@ def test_the_client_returns_the_message_and_settles_in_batches(live_server, sett
     with _client(live_server, owner.host, stranger) as intruder:
         assert intruder.message(record.id) is None
         assert intruder.finish_many([(batch[1].lease, "finished")]) == [LeaseLost()]
+
+
+def test_the_client_waits_for_a_claim_and_settles_each_delivery_with_the_next(
+    live_server, settings
+):
+    settings.ALLOWED_HOSTS = ["*"]
+    settings.WORKFLOW_DELIVERY_NOTIFY = False
+    settings.WORKFLOW_DELIVERY_API_WAIT_POLL_SECONDS = 0.2
+    key = secret()
+    owner = factories.community()
+    steps = [factories.Step(owner=owner, targets=[pubkey(key)], step_id=f"s-{n}") for n in range(3)]
+
+    def commit_later() -> None:
+        try:
+            time.sleep(0.5)
+            for step in steps:
+                factories.committed(step)
+        finally:
+            connections.close_all()
+
+    committer = threading.Thread(target=commit_later)
+    committer.start()
+    with _client(live_server, owner.host, key) as client:
+        claimed = client.claim(wait=10, lease_seconds=30)
+        committer.join(10)
+        seen = []
+        lease = None
+        while claimed is not None:
+            lease = claimed.lease
+            seen.append(claimed.record.binding.step_id)
+            assert claimed.message.content == "please review"
+            answer = client.finish_and_claim_next(claimed.lease, "finished", lease_seconds=30)
+            assert answer.result == Settled(Outcome.FINISHED)
+            claimed = answer.next
+        assert seen == ["s-0", "s-1", "s-2"]
+        assert client.claim(wait=1) is None
+        # A retry of the last settle reports it and claims nothing; another's is lost.
+        retried = client.finish_and_claim_next(lease, "failed")
+        assert retried.result == AlreadyTerminal(status=DeliveryStatus.FINISHED)
+        assert retried.next is None
+    stranger = secret()
+    factories.enroll(owner, [pubkey(stranger)])
+    with _client(live_server, owner.host, stranger) as intruder:
+        assert intruder.finish_and_claim_next(lease, "finished").result == LeaseLost()

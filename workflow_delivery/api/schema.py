@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Annotated, Any, Literal
 
 from ninja import Schema
-from pydantic import AwareDatetime, ConfigDict, Field, StrictInt
+from pydantic import AwareDatetime, ConfigDict, Field, StrictBool, StrictInt
 
 from ..protocol import (
     STEP_ID_MAX_LENGTH,
@@ -89,6 +89,13 @@ class ClaimIn(_Strict):
     lease_seconds: LeaseSeconds | None = None
     delivery_id: Uuid | None = None
     expected: BindingIn | None = None
+    wait: Annotated[StrictInt, Field(ge=0, le=60)] | None = Field(
+        None,
+        description=(
+            "seconds (0-60) to wait for a claimable delivery when there is none yet; "
+            "only for a claim that names no delivery and no expected binding"
+        ),
+    )
 
 
 class RenewIn(_Strict):
@@ -99,6 +106,16 @@ class RenewIn(_Strict):
 class FinishIn(_Strict):
     generation: Generation
     outcome: Literal["finished", "failed"]
+    next: StrictBool = Field(
+        False,
+        description=(
+            "also claim the caller's oldest claimable delivery, in the same statement as "
+            "the settle; answered as `next` (null when there is none)"
+        ),
+    )
+    lease_seconds: LeaseSeconds | None = Field(
+        None, description="the lease of the delivery claimed with `next`"
+    )
 
 
 class EventCauseOut(Schema):
@@ -208,14 +225,19 @@ class RenewOut(Schema):
     lease_until: Instant
 
 
+_NEXT = "with `next`: the delivery claimed with the settle and its lease, or null"
+
+
 class SettledOut(Schema):
     result: Literal["settled"]
     outcome: Literal["finished", "failed"]
+    next: ClaimOut | None = Field(None, description=_NEXT)
 
 
 class AlreadyTerminalOut(Schema):
     result: Literal["already_terminal"]
     status: Literal["finished", "failed"]
+    next: ClaimOut | None = Field(None, description=_NEXT + " (a retry claims nothing)")
 
 
 FinishOut = Annotated[SettledOut | AlreadyTerminalOut, Field(discriminator="result")]

@@ -26,12 +26,14 @@ from ..exceptions import AgentAuthRefused, CommunityWriteFenced, ProtocolError
 from ..models import WorkflowAgentDelivery
 from ..protocol import (
     AlreadyTerminal,
+    Claimed,
     DeliveryRecord,
     Lease,
     LeaseLost,
     MessageEvent,
     Outcome,
     Renewed,
+    RequestEvent,
     Settled,
     as_uuid,
 )
@@ -45,6 +47,7 @@ from .auth import (
     NostrWaitAuth,
     Signed,
     admit,
+    admitted,
     prune_now_and_then,
     release_connection,
     wait_gate,
@@ -230,20 +233,112 @@ def served_alone(run: Callable[..., HttpResponse]) -> Callable[..., HttpResponse
 
 @api.post(
     "v1/claim",
-    response={200: schema.ClaimOut, 204: None, **ERRORS},
-    summary="Claim the caller's oldest pending delivery (or the one named)",
+    response={200: schema.ClaimOut, 204: None, **ERRORS, 503: schema.ErrorOut},
+    summary="Claim the caller's oldest pending delivery (or the one named), waiting if asked",
     auth=NostrSignedAuth(),
 )
-@decorate_view(served_alone)
-def claim(request: HttpRequest, payload: schema.ClaimIn | None = None):
+async def claim(request: HttpRequest, payload: schema.ClaimIn | None = None):
     signed = _signed(request)
     payload = payload or schema.ClaimIn()
-    if payload.delivery_id is None and payload.expected is None:
-        claimed = served.claim(signed, limit=1, lease_seconds=payload.lease_seconds)
-        if not claimed:
-            return Status(204, None)
-        return _answer(request, _claimed(*claimed[0]))
-    return _claim_named(request, signed, payload)
+    if payload.wait and (payload.delivery_id is not None or payload.expected is not None):
+        raise ApiError(
+            400, "invalid_request", "wait: only a claim of any delivery may wait", "wait"
+        )
+    if payload.wait:
+        return await _claim_waiting(request, signed, payload)
+    return await sync_to_async(_claim_now)(request, signed, payload)
+
+
+def _claim_now(
+    request: HttpRequest, signed: Signed, payload: schema.ClaimIn
+) -> HttpResponse | Status:
+    try:
+        if payload.delivery_id is None and payload.expected is None:
+            claimed = served.claim(signed, limit=1, lease_seconds=payload.lease_seconds)
+            if not claimed:
+                return Status(204, None)
+            return _answer(request, _claimed(*claimed[0]))
+        return _claim_named(request, signed, payload)
+    finally:
+        prune_now_and_then()
+
+
+def _request_event(signed: Signed) -> RequestEvent:
+    return RequestEvent(
+        host=signed.host,
+        event_id=signed.event.id,
+        created_at=signed.event.created_at,
+        pubkey=signed.pubkey,
+    )
+
+
+def _gated(work: Callable[[], object]) -> object:
+    """A waiting request's database work: through the wait gate, and the connection
+    released after it, so the wait itself holds none."""
+    with wait_gate:
+        try:
+            return work()
+        finally:
+            release_connection()
+
+
+def _first_claim(signed: Signed, lease_seconds: int | None) -> tuple[UUID, Claimed | None]:
+    """The waiting claim's admission and first claim, in one statement."""
+    admission, claimed = _gated(
+        lambda: services.claim_admitted(_request_event(signed), lease_seconds=lease_seconds)
+    )
+    community_id = admitted(signed.host, signed.pubkey, admission)
+    prune_now_and_then()
+    return community_id, claimed
+
+
+def _claim_registered(community_id: UUID, pubkey: bytes, lease_seconds: int | None):
+    """Once the waiter is registered (and, with wake-ups on, the listener LISTENs): a
+    claim; finding nothing while listening, the caller's target is registered as idle
+    and claimed for once more, so a commit lands either before that claim or after the
+    registration, which makes its producer notify."""
+    listening = app_settings.NOTIFY is True and hub.ensure_listening()
+
+    def work() -> Claimed | None:
+        claimed = services.claim_enrolled(community_id, pubkey, lease_seconds=lease_seconds)
+        if claimed is None and listening:
+            services.register_idle(community_id, [pubkey])
+            claimed = services.claim_enrolled(community_id, pubkey, lease_seconds=lease_seconds)
+        return claimed
+
+    return _gated(work)
+
+
+async def _claim_waiting(
+    request: HttpRequest, signed: Signed, payload: schema.ClaimIn
+) -> HttpResponse:
+    """Claim now, or as soon as a delivery is claimable for the caller within
+    ``payload.wait`` seconds: woken by the producers' notifications as ``wait`` is
+    (and, with wake-ups off, polling every ``WORKFLOW_DELIVERY_API_WAIT_POLL_SECONDS``),
+    each wake-up followed by a claim that only an enabled agent's key can make."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + min(payload.wait, app_settings.API_MAX_WAIT_SECONDS)
+    seconds = payload.lease_seconds
+    community_id, claimed = await sync_to_async(_first_claim)(signed, seconds)
+    if claimed is not None:
+        return _answer(request, _claimed(*claimed, claimed.message))
+    if hub.waiting >= app_settings.API_MAX_WAITERS:
+        return error(request, 503, "too_many_waiters", "this server has enough waiters; poll")
+    poll = None if app_settings.NOTIFY is True else app_settings.API_WAIT_POLL_SECONDS
+    while (remaining := deadline - loop.time()) > 0:
+        waiter = hub.register(community_id, signed.pubkey)
+        try:
+            claimed = await sync_to_async(_claim_registered)(community_id, signed.pubkey, seconds)
+            if claimed is not None:
+                return _answer(request, _claimed(*claimed, claimed.message))
+            remaining = deadline - loop.time()
+            if remaining <= 0:
+                break
+            # asyncio.wait, not wait_for: a slice that ends must not cancel the future.
+            await asyncio.wait({waiter.future}, timeout=min(remaining, poll or remaining))
+        finally:
+            hub.unregister(community_id, signed.pubkey, waiter)
+    return Status(204, None)
 
 
 def _claim_named(request: HttpRequest, signed: Signed, payload: schema.ClaimIn) -> HttpResponse:
@@ -260,7 +355,7 @@ def _claim_named(request: HttpRequest, signed: Signed, payload: schema.ClaimIn) 
             lease_seconds=payload.lease_seconds,
         )
         if claimed is None:
-            return api.create_response(request, None, status=204)
+            return Status(204, None)
         lease, record = claimed
         messages = services.message_events(community_id, [record])
         document = _claimed(lease, record, messages.get(record.id))
@@ -305,17 +400,47 @@ def _finish_document(result: Settled | AlreadyTerminal) -> dict[str, str]:
 @api.post(
     "v1/deliveries/{delivery_id}/finish",
     response={200: schema.FinishOut, **ERRORS},
-    summary="Settle a claimed delivery once",
+    summary="Settle a claimed delivery once (and, with `next`, claim the next one)",
     auth=NostrSignedAuth(),
 )
 @decorate_view(served_alone)
 def finish(request: HttpRequest, delivery_id: schema.Uuid, payload: schema.FinishIn):
+    if payload.next:
+        return _finish_and_claim_next(request, _delivery_id(delivery_id), payload)
+    if payload.lease_seconds is not None:
+        raise ApiError(
+            400, "invalid_request", "lease_seconds: only a finish with next claims", "lease_seconds"
+        )
     result = served.finish(
         _signed(request), _delivery_id(delivery_id), payload.generation, Outcome(payload.outcome)
     )
     if isinstance(result, LeaseLost):
         return _lease_lost(request)
     return _answer(request, _finish_document(result))
+
+
+def _finish_and_claim_next(
+    request: HttpRequest, delivery_id: UUID, payload: schema.FinishIn
+) -> HttpResponse:
+    """Admitted, settled and the next delivery claimed with its message, in one
+    statement (``services.finish_and_claim_next_admitted``)."""
+    signed = _signed(request)
+    served.check_connection()
+    admission, answer = services.finish_and_claim_next_admitted(
+        _request_event(signed),
+        delivery_id,
+        payload.generation,
+        payload.outcome,
+        lease_seconds=payload.lease_seconds,
+    )
+    if admission is not None:
+        admitted(signed.host, signed.pubkey, admission)
+    if isinstance(answer.result, LeaseLost):
+        return _lease_lost(request)
+    document: dict[str, object] = _finish_document(answer.result)
+    claimed = answer.next
+    document["next"] = None if claimed is None else _claimed(*claimed, claimed.message)
+    return _answer(request, document)
 
 
 @api.post(

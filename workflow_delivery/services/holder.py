@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
+from datetime import UTC, datetime
 from uuid import UUID
 
 from django.db import DEFAULT_DB_ALIAS, transaction
@@ -15,6 +16,7 @@ from django.db import DEFAULT_DB_ALIAS, transaction
 from .. import counters
 from ..conf import app_settings
 from ..exceptions import (
+    ConstraintViolation,
     InvalidLeaseSeconds,
     LeaseNotLive,
     ProtocolError,
@@ -23,16 +25,20 @@ from ..exceptions import (
 from ..models import WorkflowAgentDelivery
 from ..protocol import (
     AlreadyTerminal,
+    Claimed,
     DeliveryBinding,
     DeliveryRecord,
     DeliveryStatus,
     ErrorReport,
     Exhausted,
+    FinishedAndNext,
     Lease,
     LeaseLost,
     MessageEvent,
     Outcome,
     Renewed,
+    RequestAdmission,
+    RequestEvent,
     Retried,
     Settled,
     as_bytes32,
@@ -42,8 +48,13 @@ from ..protocol import (
     stored_message,
 )
 from ..store import rows, run, statements
+from ..store.errors import REQUEST_REFUSED
 from ..validation import LEASE_SECONDS_BOUND, is_delay_seconds, is_whole_number
 from ._common import _max_attempts
+from .replay import _admission_params, _stored_admission
+
+# A lease built only to check its fields: the database judges expiry by its own clock.
+_NO_TIME = datetime.min.replace(tzinfo=UTC)
 
 # The most leases one claim_deliveries or finish_deliveries call handles: a bound on
 # the row locks one statement takes and on the size of its array parameters.
@@ -217,16 +228,8 @@ def finish_delivery(
     ``error`` (only with ``failed``) is kept as the delivery's last error, as
     ``retry_delivery`` keeps it, and the timeline's ``failed`` entry carries it with
     its traceback: a failure for good, never retried."""
-    params = _lease_params(lease)
-    outcome = _outcome(outcome)
-    if error is not None:
-        if outcome is not Outcome.FAILED:
-            raise ProtocolError("error", "only a failed outcome records an error")
-        statement = statements.FAIL_WITH_ERROR
-        params.update(_error_params(error_report(error)))
-    else:
-        statement = statements.FINISH
-        params["outcome"] = outcome.value
+    params, outcome = _settle_params(lease, outcome, error)
+    statement = statements.FINISH if error is None else statements.FAIL_WITH_ERROR
     if run.fetch(using, statement, params):
         counters.SETTLED[outcome.value].inc()
         return Settled(outcome=outcome)
@@ -237,6 +240,173 @@ def finish_delivery(
         return AlreadyTerminal(status=DeliveryStatus(seen[0][0]))
     counters.LEASES_LOST.inc()
     return LeaseLost()
+
+
+def _settle_params(
+    lease: Lease, outcome: Outcome | str, error: str | BaseException | None
+) -> tuple[dict[str, object], Outcome]:
+    params = _lease_params(lease)
+    outcome = _outcome(outcome)
+    if error is not None:
+        if outcome is not Outcome.FAILED:
+            raise ProtocolError("error", "only a failed outcome records an error")
+        params.update(_error_params(error_report(error)))
+    else:
+        params["outcome"] = outcome.value
+    return params, outcome
+
+
+def finish_and_claim_next(
+    lease: Lease,
+    outcome: Outcome | str,
+    *,
+    error: str | BaseException | None = None,
+    target_pubkey: bytes | None = None,
+    lease_seconds: int | None = None,
+    using: str = DEFAULT_DB_ALIAS,
+) -> FinishedAndNext:
+    """Settle the delivery once, as ``finish_delivery`` does (same fences, same
+    answers, ``error`` likewise), and in the same statement, so in one commit, claim
+    the oldest claimable delivery of the lease's target (or of ``target_pubkey``, in
+    the lease's community) as ``claim_delivery`` does. Only a settle claims: an
+    ``AlreadyTerminal`` or ``LeaseLost`` result comes with no next delivery.
+
+    In autocommit the settle and the claim commit together; an answer lost with the
+    connection leaves the next delivery claimed until its lease runs out, as a lost
+    claim answer does (a retry of the settle answers ``AlreadyTerminal``)."""
+    params, outcome = _settle_params(lease, outcome, error)
+    next_target = (
+        lease.target_pubkey if target_pubkey is None else as_bytes32("target_pubkey", target_pubkey)
+    )
+    params["next_target_pubkey"] = next_target
+    params["lease_seconds"] = checked_lease_seconds(lease_seconds)
+    statement = (
+        statements.FINISH_AND_CLAIM_NEXT
+        if error is None
+        else statements.FAIL_WITH_ERROR_AND_CLAIM_NEXT
+    )
+    ((settled, seen, *claimed),) = run.fetch(using, statement, params)
+    if settled is None:
+        if seen is not None and DeliveryStatus(seen).is_terminal:
+            return FinishedAndNext(result=AlreadyTerminal(status=DeliveryStatus(seen)))
+        counters.LEASES_LOST.inc()
+        return FinishedAndNext(result=LeaseLost())
+    counters.SETTLED[outcome.value].inc()
+    if claimed[0] is None:
+        return FinishedAndNext(result=Settled(outcome=outcome))
+    counters.CLAIMS.inc()
+    record = rows.record(claimed)
+    return FinishedAndNext(
+        result=Settled(outcome=outcome),
+        next=(stored_lease(lease.community_id, next_target, record), record),
+    )
+
+
+# --- For the signed API: the same operations on a request admitted in their statement
+
+
+_RECORD = len(rows.RECORD_COLUMNS)
+
+
+def _claimed(community_id: UUID, target_pubkey: bytes, columns: tuple) -> Claimed | None:
+    """A claimed record and its message (the event's columns NULL when it is not
+    stored), as the API's claim statements answer them; None for a row of NULLs."""
+    if columns[0] is None:
+        return None
+    record = rows.record(columns[:_RECORD])
+    event = columns[_RECORD:]
+    message = None if event[0] is None else stored_message(*event)
+    counters.CLAIMS.inc()
+    return Claimed(
+        lease=stored_lease(community_id, target_pubkey, record), record=record, message=message
+    )
+
+
+def claim_admitted(
+    request: RequestEvent, *, lease_seconds: int | None = None, using: str = DEFAULT_DB_ALIAS
+) -> tuple[RequestAdmission, Claimed | None]:
+    """Admit ``request`` (the host's community, the key's standing, freshness, the
+    replay guard) and, once admitted, claim the key's oldest claimable delivery with
+    its message, in one statement: the request's admission and the claim or None.
+    A request refused records nothing and claims nothing."""
+    params = _admission_params(request)
+    params.update(limit=1, lease_seconds=checked_lease_seconds(lease_seconds))
+    answer = run.fetch(using, statements.SERVED_CLAIM, params)
+    admission = _stored_admission(*answer[0][:4])
+    claimed = None
+    if admission.recorded:
+        claimed = _claimed(admission.community_id, params["pubkey"], answer[0][4:])
+    return admission, claimed
+
+
+def claim_enrolled(
+    community_id: UUID | str,
+    target_pubkey: bytes,
+    *,
+    lease_seconds: int | None = None,
+    using: str = DEFAULT_DB_ALIAS,
+) -> Claimed | None:
+    """For a request admitted earlier (a claim that waited): the key's oldest
+    claimable delivery with its message, claimed only while the key is an enabled
+    agent of the community (a revocation meanwhile claims nothing). None on a miss."""
+    community_id = as_uuid("community_id", community_id)
+    target_pubkey = as_bytes32("target_pubkey", target_pubkey)
+    params = {
+        "community_id": community_id,
+        "target_pubkey": target_pubkey,
+        "lease_seconds": checked_lease_seconds(lease_seconds),
+    }
+    answer = run.fetch(using, statements.CLAIM_ENROLLED, params)
+    return _claimed(community_id, target_pubkey, answer[0]) if answer else None
+
+
+def finish_and_claim_next_admitted(
+    request: RequestEvent,
+    delivery_id: UUID | str,
+    generation: int,
+    outcome: Outcome | str,
+    *,
+    lease_seconds: int | None = None,
+    using: str = DEFAULT_DB_ALIAS,
+) -> tuple[RequestAdmission | None, FinishedAndNext]:
+    """Admit ``request`` and, once admitted, settle the signing key's lease
+    (``delivery_id`` at ``generation``) and claim the key's oldest claimable delivery
+    with its message (``FinishedAndNext.next`` a ``Claimed``), in one statement, as
+    ``finish_and_claim_next`` does. The admission is None when the request was
+    admitted and its lease was lost: the statement then rolled back, the replay row
+    too, so nothing of the request is kept and an honest retry is judged afresh."""
+    params = _admission_params(request)
+    lease = Lease(
+        community_id=UUID(int=0),
+        delivery_id=as_uuid("delivery_id", delivery_id),
+        target_pubkey=params["pubkey"],
+        generation=generation,
+        lease_until=_NO_TIME,
+    )
+    outcome = _outcome(outcome)
+    params.update(
+        delivery_id=lease.delivery_id,
+        generation=lease.generation,
+        outcome=outcome.value,
+        lease_seconds=checked_lease_seconds(lease_seconds),
+    )
+    try:
+        answer = run.fetch(using, statements.SERVED_FINISH_AND_CLAIM_NEXT, params)
+    except ConstraintViolation as exc:
+        if exc.constraint != REQUEST_REFUSED:
+            raise
+        counters.LEASES_LOST.inc()
+        return None, FinishedAndNext(result=LeaseLost())
+    row = answer[0]
+    admission = _stored_admission(*row[:4])
+    settled, seen = row[4], row[5]
+    if settled is None:
+        if not admission.recorded:
+            return admission, FinishedAndNext(result=LeaseLost())
+        return admission, FinishedAndNext(result=AlreadyTerminal(status=DeliveryStatus(seen)))
+    counters.SETTLED[outcome.value].inc()
+    claimed = _claimed(admission.community_id, params["pubkey"], row[7:])
+    return admission, FinishedAndNext(result=Settled(outcome=outcome), next=claimed)
 
 
 def finish_deliveries(

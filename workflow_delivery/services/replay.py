@@ -10,7 +10,7 @@ from django.db import DEFAULT_DB_ALIAS
 
 from ..conf import app_settings
 from ..exceptions import CommunityWriteFenced, ProtocolError
-from ..protocol import AgentStanding, RequestAdmission, as_bytes32, as_uuid
+from ..protocol import AgentStanding, RequestAdmission, RequestEvent, as_bytes32, as_uuid
 from ..store import run, statements
 from ..validation import is_whole_number
 
@@ -85,6 +85,35 @@ def admit_request_event(
         recorded=bool(recorded),
         standing=None if standing is None or deleting else AgentStanding(standing),
         deleting=deleting,
+    )
+
+
+def _admission_params(request: RequestEvent) -> dict[str, object]:
+    """The parameters of a statement that admits ``request`` (``statements._admitted``):
+    the freshness window, the host, the key, the event's id and time, each checked."""
+    if not isinstance(request, RequestEvent):
+        raise ProtocolError("request", f"must be a RequestEvent, not {type(request).__name__}")
+    if not isinstance(request.host, str) or not request.host:
+        raise ProtocolError("host", f"must be a host name, not {request.host!r}")
+    event_id, created_at = _request_event(request.event_id, request.created_at)
+    return {
+        "created_at": created_at,
+        "skew": app_settings.API_MAX_CLOCK_SKEW_SECONDS,
+        "host": request.host,
+        "pubkey": as_bytes32("pubkey", request.pubkey),
+        "event_id": event_id,
+    }
+
+
+def _stored_admission(
+    community_id: UUID | None, fresh: bool, recorded: bool, standing: str | None
+) -> RequestAdmission:
+    """The admission columns every admitting statement answers first."""
+    return RequestAdmission(
+        community_id=community_id,
+        fresh=bool(fresh),
+        recorded=bool(recorded),
+        standing=None if standing is None else AgentStanding(standing),
     )
 
 

@@ -270,25 +270,33 @@ UPDATE {DELIVERIES} AS d
 RETURNING {_RETURNING}"""
 
 
-def _claim(match: str = "", limit: str = "1") -> Statement:
-    """The claim of up to ``limit`` of a target's oldest pending rows that also meet
-    ``match`` (more conditions on the row). The oldest pending row nobody else holds:
-    a locked row is someone else's claim in flight, so it is skipped rather than
-    queued behind. The literal 'pending' lets a generic plan use the claim index; a
-    retried row still backing off is passed over by a filter on that index scan.
-    Parameters: ``community_id``, ``target_pubkey``, ``lease_seconds``, and
-    ``match``'s."""
-    return Statement(f"""
-WITH picked AS (
+def _picked(community: str, target: str, match: str = "", limit: str = "1", gate: str = "") -> str:
+    """The CTE ``picked``: up to ``limit`` of the target's oldest claimable rows (the
+    ``community`` and ``target`` expressions) that also meet ``match`` (more
+    conditions on the row) and ``gate`` (a condition of no row, asked first). The
+    oldest pending row nobody else holds: a locked row is someone else's claim in
+    flight, so it is skipped rather than queued behind. The literal 'pending' lets a
+    generic plan use the claim index; a retried row still backing off is passed over
+    by a filter on that index scan."""
+    return f"""picked AS (
     SELECT id FROM {DELIVERIES}
-     WHERE community_id = %(community_id)s AND target_pubkey = %(target_pubkey)s{match}
+     WHERE {gate}community_id = {community} AND target_pubkey = {target}{match}
        AND status = 'pending'
        AND (available_at IS NULL OR available_at <= statement_timestamp())
-       AND {entering_fence_once("%(community_id)s::uuid")}
+       AND {entering_fence_once(community + "::uuid")}
      ORDER BY created_at, id
      LIMIT {limit}
      FOR UPDATE SKIP LOCKED
-),
+)"""
+
+
+def _claim(match: str = "", limit: str = "1") -> Statement:
+    """The claim of up to ``limit`` of a target's oldest pending rows that also meet
+    ``match`` (``_picked``). Parameters: ``community_id``, ``target_pubkey``,
+    ``lease_seconds``, and ``match``'s."""
+    picked = _picked("%(community_id)s", "%(target_pubkey)s", match, limit)
+    return Statement(f"""
+WITH {picked},
 {_STAMP}
 {_CLAIM_PICKED}
 """)
@@ -322,18 +330,34 @@ _BACK_TO_PENDING = (
 # The lease fields a terminal row gives up (finish, operator mark failed).
 _SETTLE = "finished_at = statement_timestamp(), lease_until = NULL, claimed_at = NULL"
 
+
 # The four conditions of a live lease: claimed, same generation, same target, not
 # expired, against each statement's own clock. Parameters: the lease's
-# ``community_id``, ``delivery_id``, ``target_pubkey`` and ``generation``.
-_LEASE = """
-  community_id = %(community_id)s AND id = %(delivery_id)s
-  AND target_pubkey = %(target_pubkey)s AND lease_generation = %(generation)s
+# ``delivery_id`` and ``generation``; the community and target are expressions (by
+# default the parameters ``community_id`` and ``target_pubkey``).
+def _lease(community: str = "%(community_id)s", target: str = "%(target_pubkey)s") -> str:
+    return f"""
+  community_id = {community} AND id = %(delivery_id)s
+  AND target_pubkey = {target} AND lease_generation = %(generation)s
 """
-_LIVE_LEASE_AT_STATEMENT = f"""{_LEASE}
+
+
+def _live_lease_at_statement(
+    community: str = "%(community_id)s", target: str = "%(target_pubkey)s"
+) -> str:
+    return f"""{_lease(community, target)}
   AND status = 'claimed' AND lease_until >= statement_timestamp()
 """
-# The same, and the community's shared deletion lock, taken before the row.
-_LIVE_LEASE = f"{_LIVE_LEASE_AT_STATEMENT}  AND {entering_fence()}\n"
+
+
+def _live_lease(community: str = "%(community_id)s", target: str = "%(target_pubkey)s") -> str:
+    """The same, and the community's shared deletion lock, taken before the row."""
+    return f"{_live_lease_at_statement(community, target)}  AND {entering_fence()}\n"
+
+
+_LEASE = _lease()
+_LIVE_LEASE_AT_STATEMENT = _live_lease_at_statement()
+_LIVE_LEASE = _live_lease()
 
 RENEW = Statement(f"""
 UPDATE {DELIVERIES}
@@ -433,6 +457,60 @@ UPDATE {DELIVERIES} AS d
  WHERE {_LIVE_LEASE}
 RETURNING d.status
 """)
+
+
+# A holder's settle and its next claim in one statement, so one commit: ``settled``
+# is FINISH's (or FAIL_WITH_ERROR's) settle of the live lease, and the claim's
+# ``picked`` is gated on it, so a settle that did not happen claims nothing. The
+# held row is claimed, never pending, in the statement's snapshot, so the claim
+# cannot pick it. ``community`` and ``target`` name the lease's community and
+# target (expressions), ``next_target`` the target whose oldest claimable delivery
+# is claimed next; ``error`` settles failed and records the holder's error (the
+# ``note`` CTE must come first).
+def _settle_and_claim(community: str, target: str, next_target: str, *, error: bool) -> str:
+    if error:
+        settle = f"status = 'failed', {_SETTLE}, {_RECORD_ERROR}\n  FROM note"
+    else:
+        settle = f"status = %(outcome)s, {_SETTLE}"
+    gate = "EXISTS (SELECT 1 FROM settled) AND "
+    return f"""settled AS (
+    UPDATE {DELIVERIES} AS d
+       SET {settle}
+     WHERE {_live_lease(community, target)}
+    RETURNING d.status
+),
+{_picked(community, next_target, gate=gate)},
+{_STAMP},
+claimed AS ({_CLAIM_PICKED}
+)"""
+
+
+def _finish_and_claim_next(*, error: bool) -> Statement:
+    """The holder's settle-and-claim. Answers one row: the status settled (NULL when
+    nothing was), the status the lease's full capability sees when nothing was
+    settled (read FOR SHARE, so the latest committed version: a retry of a settle
+    sees its terminal status, as FINISH's follow-up statement would), then the
+    claimed record's columns (NULL when nothing was claimed). Parameters: the
+    lease's, ``outcome`` (or, with ``error``, ``traceback``, ``error_type``,
+    ``error_message``), ``next_target_pubkey``, ``lease_seconds``."""
+    operation = _settle_and_claim(
+        "%(community_id)s", "%(target_pubkey)s", "%(next_target_pubkey)s", error=error
+    )
+    note = f"{_ERROR_NOTE},\n" if error else ""
+    record = ", ".join(f"n.{_q(column)}" for column in RECORD_COLUMNS)
+    return Statement(f"""
+WITH {note}{operation}
+SELECT s.status,
+       (SELECT c.status FROM {DELIVERIES} AS c WHERE s.status IS NULL AND {_LEASE} FOR SHARE),
+       {record}
+  FROM (SELECT 1) AS one
+  LEFT JOIN settled AS s ON true
+  LEFT JOIN claimed AS n ON true
+""")
+
+
+FINISH_AND_CLAIM_NEXT = _finish_and_claim_next(error=False)
+FAIL_WITH_ERROR_AND_CLAIM_NEXT = _finish_and_claim_next(error=True)
 
 # A holder giving its own live lease back (a consumer stopping): back to pending,
 # fence bumped, and only at the holder's generation, so a newer holder is untouched.
@@ -1038,6 +1116,65 @@ SERVED_FINISH = _admitted(
             THEN {_REFUSE} END
   FROM admission AS a, seen""",
 )
+
+
+# The message event of a claimed row ``n`` (the event's columns NULL when the event is
+# not stored), as SERVED_CLAIM answers it.
+_MESSAGE_COLUMNS = "e.id, e.created_at, e.pubkey, e.kind, e.tags::text, e.content"
+_MESSAGE_OF_CLAIMED = f"""LEFT JOIN {EVENTS} AS e
+    ON e.community_id = n.community_id AND e.created_at = n.message_event_created_at
+   AND e.id = n.message_event_id"""
+_CLAIMED_RECORD = ", ".join(f"n.{_q(column)}" for column in RECORD_COLUMNS)
+
+# Settle the caller's live lease once and claim the caller's oldest claimable
+# delivery with it: the holder's settle-and-claim (``_settle_and_claim``) on the
+# community the request was admitted to, the caller's key as the lease's target and
+# the next one's. As SERVED_FINISH: for a lease that settled nothing the row as the
+# caller's capability sees it is read FOR SHARE; a terminal row answers its status
+# (and claims nothing), anything else refuses (``lease_lost``). Parameters after the
+# admission's: ``outcome``, ``delivery_id``, ``generation``, ``lease_seconds``.
+# Answers the admission, the settled status, the status seen, the refusal's column,
+# then the claimed record and its message (NULL when nothing was claimed).
+_ADMITTED_COMMUNITY = "(SELECT community_id FROM recorded)"
+SERVED_FINISH_AND_CLAIM_NEXT = _admitted(
+    f"""{_settle_and_claim(_ADMITTED_COMMUNITY, "%(pubkey)s", "%(pubkey)s", error=False)},
+seen AS (
+    SELECT a.recorded, s.status AS settled,
+           (SELECT c.status FROM {DELIVERIES} AS c
+             WHERE a.recorded AND s.status IS NULL AND {_lease("a.community_id", "%(pubkey)s")}
+               FOR SHARE) AS status
+      FROM admission AS a LEFT JOIN settled AS s ON true
+)""",
+    f"""SELECT {_ADMISSION}, seen.settled, seen.status,
+       CASE WHEN seen.recorded AND seen.settled IS NULL
+                 AND (seen.status IS NULL OR seen.status NOT IN ('finished', 'failed'))
+            THEN {_REFUSE} END,
+       {_CLAIMED_RECORD}, {_MESSAGE_COLUMNS}
+  FROM admission AS a CROSS JOIN seen
+  LEFT JOIN claimed AS n ON true
+  {_MESSAGE_OF_CLAIMED}""",
+)
+
+# The claim of a request admitted earlier (a waiting claim, after its wake-up): the
+# single claim of the key's oldest claimable delivery, with its message, only while
+# the key is an enabled agent of the community. The standing is read once, as a gate
+# before the scan, under the roster's shared lock (``wd_agent_standing``), held to
+# the end of the statement's transaction: a revocation waits for the claim, and a
+# claim after a revocation takes nothing. Parameters: ``community_id``,
+# ``target_pubkey``, ``lease_seconds``. Answers the claimed record and its message,
+# no row when nothing was claimed.
+_ENROLLED = (
+    "(SELECT wd_agent_standing(%(community_id)s::uuid, %(target_pubkey)s::bytea)) = 'enabled' AND "
+)
+CLAIM_ENROLLED = Statement(f"""
+WITH {_picked("%(community_id)s", "%(target_pubkey)s", gate=_ENROLLED)},
+{_STAMP},
+claimed AS ({_CLAIM_PICKED}
+)
+SELECT {_CLAIMED_RECORD}, {_MESSAGE_COLUMNS}
+  FROM claimed AS n
+  {_MESSAGE_OF_CLAIMED}
+""")
 
 
 # --- Read-only views: metrics, the admin's overview and target page --------------------
