@@ -99,9 +99,11 @@ class ScriptedAgent:
         await self._conn.session_update(
             session_id, start_tool_call(call_id, f"{tool} via MCP", kind="other", status="pending")
         )
-        async with httpx2.AsyncClient(headers=headers, timeout=30) as http:
-            async with McpClient(streamable_http_client(server.url, http_client=http)) as client:
-                result = await client.call_tool(tool, arguments)
+        async with (
+            httpx2.AsyncClient(headers=headers, timeout=30) as http,
+            McpClient(streamable_http_client(server.url, http_client=http)) as client,
+        ):
+            result = await client.call_tool(tool, arguments)
         text = " ".join(getattr(block, "text", "") for block in result.content)
         status = "failed" if result.is_error else "completed"
         await self._conn.session_update(session_id, update_tool_call(call_id, status=status))

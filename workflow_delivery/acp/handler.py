@@ -308,7 +308,7 @@ class AcpHandler:
             stop_reason = turn.result.result(timeout=0)
         except AgentError as exc:
             return exc
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - any failure of the turn is the agent's
             return AgentError(f"the turn failed: {exc!r}")
         turn.stop_reason = stop_reason
         if stop_reason == "end_turn":

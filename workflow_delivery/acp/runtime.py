@@ -135,7 +135,7 @@ class Turn:
             elif future.set_running_or_notify_cancel():
                 try:
                     future.set_result(work())
-                except BaseException as exc:  # answered to the tool, never lost here
+                except BaseException as exc:  # noqa: BLE001 - answered to the tool
                     future.set_exception(exc)
             try:
                 work, future = self.jobs.get_nowait()
