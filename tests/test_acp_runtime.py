@@ -4,18 +4,23 @@ tools called by the agent through a real MCP client session."""
 
 from __future__ import annotations
 
+import os
 import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
 from django.db import connection
+from django.test import override_settings
 
 from tests import factories
-from tests.consumers import status
+from tests.consumers import eventually, status
 from workflow_delivery.acp import AcpAgent
+from workflow_delivery.models import Event, WorkflowAgentDelivery
 from workflow_delivery.protocol import DeliveryStatus
-from workflow_delivery.services import send_message
+from workflow_delivery.roster import revoke_agent
+from workflow_delivery.services import get_delivery, send_message
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -86,3 +91,124 @@ def test_end_turn_settles_finished(roster):
     stats = Driving(acp_agent(owner, agent, max_deliveries=1)).__enter__().join()
     assert status(delivery) is DeliveryStatus.FINISHED
     assert stats.finished == 1 and stats.claimed == 1
+
+
+def record(owner, delivery_id):
+    return get_delivery(owner.id, delivery_id)
+
+
+@override_settings(WORKFLOW_DELIVERY_RETRY_BACKOFF_SECONDS=60)
+def test_stop_reasons_map_to_settlements(roster):
+    owner, agent, _ = roster
+    sent = {
+        word: send(owner, agent, word, key=f"k-{index}")
+        for index, word in enumerate(
+            ["answer hi", "stream 5", "refuse", "max_tokens", "max_turn_requests", "fail no way"]
+        )
+    }
+    with Driving(acp_agent(owner, agent, concurrency=3)) as driving:
+        assert eventually(lambda: all(settled(d) for d in sent.values()), 20)
+    assert driving.error is None
+    assert status(sent["answer hi"]) is DeliveryStatus.FINISHED
+    assert status(sent["stream 5"]) is DeliveryStatus.FINISHED
+    for word in ("refuse", "max_tokens", "max_turn_requests"):
+        found = record(owner, sent[word])
+        assert found.status is DeliveryStatus.FAILED, word
+        # Failed at once: one claim, the reason kept.
+        assert found.attempts == 1
+        reason = "refusal" if word == "refuse" else word
+        assert reason in found.last_error.message
+    failed = record(owner, sent["fail no way"])
+    assert failed.status is DeliveryStatus.FAILED and "no way" in failed.last_error.message
+
+
+@override_settings(WORKFLOW_DELIVERY_RETRY_BACKOFF_SECONDS=60)
+def test_agent_dying_mid_turn_is_retried_and_the_agent_restarted(roster, tmp_path):
+    owner, agent, _ = roster
+    log = tmp_path / "turns.log"
+    crashed = send(owner, agent, "crash", key="k-crash")
+    runner = acp_agent(owner, agent, env={**os.environ, "ACP_AGENT_LOG": str(log)})
+    with Driving(runner):
+        assert eventually(lambda: record(owner, crashed).last_error is not None, 15)
+        after = send(owner, agent, "answer still here", key="k-after")
+        assert eventually(lambda: settled(after), 15)
+    found = record(owner, crashed)
+    assert found.status is DeliveryStatus.PENDING and found.available_at is not None
+    assert "exit status 3" in found.last_error.message
+    assert status(after) is DeliveryStatus.FINISHED
+    pids = {line.split()[0] for line in log.read_text().splitlines()}
+    assert len(pids) == 2 and runner.runtime.restarts == 1
+
+
+@override_settings(WORKFLOW_DELIVERY_RETRY_BACKOFF_SECONDS=60)
+def test_turn_timeout_cancels_and_retries(roster):
+    owner, agent, _ = roster
+    hung = send(owner, agent, "hang", key="k-hang")
+    runner = acp_agent(owner, agent, turn_timeout=0.5)
+    with Driving(runner):
+        assert eventually(lambda: record(owner, hung).last_error is not None, 10)
+    found = record(owner, hung)
+    assert found.status is DeliveryStatus.PENDING
+    assert found.last_error.type.endswith("TurnTimeout")
+    # The agent ended the cancelled turn itself: it was not restarted.
+    assert runner.runtime.restarts == 0
+
+
+def test_a_turn_longer_than_the_lease_is_renewed_and_finishes(roster):
+    owner, agent, _ = roster
+    slow = send(owner, agent, "sleep 3", key="k-slow")
+    with Driving(acp_agent(owner, agent, lease_seconds=1, max_deliveries=1)) as driving:
+        assert eventually(lambda: settled(slow), 10)
+    found = record(owner, slow)
+    assert found.status is DeliveryStatus.FINISHED and found.attempts == 1
+    assert driving.runner.consumer.stats.renewed >= 2
+
+
+def test_lost_lease_cancels_the_turn_within_a_second(roster):
+    owner, agent, peer = roster
+    hung = send(owner, agent, f"hang-reply {peer.hex()}", key="k-lost")
+    runner = acp_agent(owner, agent, lease_seconds=30)
+    with Driving(runner):
+        assert eventually(lambda: status(hung) is DeliveryStatus.CLAIMED, 10)
+        time.sleep(0.3)
+        revoke_agent(owner.id, agent)
+        revoked_at = time.monotonic()
+        assert eventually(lambda: runner.handler.cancelled_at, 5)
+        assert runner.handler.cancelled_at[0] - revoked_at < 1.0
+        time.sleep(0.5)
+    assert runner.consumer.stats.lost == 1
+    # The agent's reply after the cancel (the late effect) was refused: nothing stored.
+    assert not Event.objects.filter(content="late").exists()
+    assert status(hung) is DeliveryStatus.PENDING
+
+
+def replies_to(peer: bytes) -> list[Event]:
+    return list(Event.objects.filter(tags__contains=[["p", peer.hex(), "", "message-v1"]]))
+
+
+def test_reply_over_mcp_is_stored_once_in_the_run_and_delivered(roster):
+    owner, agent, peer = roster
+    delivery = send(owner, agent, f"reply-twice {peer.hex()} thanks, done", key="k-reply")
+    with Driving(acp_agent(owner, agent, max_deliveries=1)):
+        assert eventually(lambda: settled(delivery), 15)
+    assert status(delivery) is DeliveryStatus.FINISHED
+    [reply] = replies_to(peer)
+    assert reply.content == "thanks, done" and bytes(reply.pubkey) == agent
+    asked = record(owner, delivery)
+    assert ["run", str(asked.binding.run_id)] == reply.tags[1][:2]
+    assert ["e", asked.binding.message_event_id.hex(), "", "reply"] in reply.tags
+    # Sent to the peer: one delivery of the reply, in the same run.
+    [sent] = WorkflowAgentDelivery.objects.filter(target_pubkey=peer)
+    assert sent.run_id == asked.binding.run_id
+
+
+@override_settings(WORKFLOW_DELIVERY_ACP_REPLY_BYTES=10)
+def test_bad_replies_are_tool_errors_and_store_nothing(roster):
+    owner, agent, peer = roster
+    stranger = factories.key32()
+    too_long = send(owner, agent, f"reply {peer.hex()} far more than ten bytes", key="k-long")
+    outsider = send(owner, agent, f"reply {stranger.hex()} hi", key="k-out")
+    with Driving(acp_agent(owner, agent, concurrency=2)):
+        assert eventually(lambda: settled(too_long) and settled(outsider), 15)
+    assert not replies_to(peer) and not replies_to(stranger)
+    assert not WorkflowAgentDelivery.objects.filter(target_pubkey__in=[peer, stranger]).exists()

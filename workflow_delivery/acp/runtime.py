@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import logging
 import os
 import queue
@@ -472,10 +473,12 @@ class AgentRuntime:
                 answer = await conn.prompt(session_id=session.session_id, prompt=turn.blocks)
             except Exception as exc:
                 process = self._process
-                status = process.returncode if process is not None else None
+                status = None
+                if process is not None:
+                    # A dead agent's status, if it is dying: what the error reports.
+                    with contextlib.suppress(asyncio.TimeoutError):
+                        status = await asyncio.wait_for(process.wait(), 0.5)
                 await self._stop_agent(f"the turn failed: {exc!r}")
-                if status is None and process is not None:
-                    status = process.returncode
                 raise AgentError(
                     f"the agent failed the turn (exit status {status}): {exc or type(exc).__name__}"
                 ) from exc
