@@ -16,7 +16,7 @@ from django.test import override_settings
 
 from tests import factories
 from tests.consumers import eventually, status
-from workflow_delivery.acp import AcpAgent
+from workflow_delivery.acp import AcpAgent, AgentStartError
 from workflow_delivery.models import Event, WorkflowAgentDelivery
 from workflow_delivery.protocol import DeliveryStatus
 from workflow_delivery.roster import revoke_agent
@@ -212,3 +212,42 @@ def test_bad_replies_are_tool_errors_and_store_nothing(roster):
         assert eventually(lambda: settled(too_long) and settled(outsider), 15)
     assert not replies_to(peer) and not replies_to(stranger)
     assert not WorkflowAgentDelivery.objects.filter(target_pubkey__in=[peer, stranger]).exists()
+
+
+def test_an_agent_that_never_answers_initialize_is_a_clear_error(roster):
+    owner, agent, _ = roster
+    delivery = send(owner, agent, "answer")
+    runner = acp_agent(
+        owner, agent, handshake_timeout=0.5, env={**os.environ, "ACP_AGENT_MODE": "mute"}
+    )
+    with pytest.raises(AgentStartError, match="did not answer initialize within 0.5 s"):
+        runner.run()
+    assert record(owner, delivery).attempts == 0
+
+
+@override_settings(WORKFLOW_DELIVERY_RETRY_BACKOFF_SECONDS=60)
+def test_a_malformed_frame_retries_the_delivery_and_the_runtime_survives(roster):
+    owner, agent, _ = roster
+    broken = send(owner, agent, "malformed", key="k-bad")
+    runner = acp_agent(owner, agent, turn_timeout=0.5)
+    with Driving(runner):
+        assert eventually(lambda: record(owner, broken).last_error is not None, 10)
+        after = send(owner, agent, "answer", key="k-after")
+        assert eventually(lambda: settled(after), 10)
+    assert record(owner, broken).status is DeliveryStatus.PENDING
+    assert status(after) is DeliveryStatus.FINISHED
+
+
+@override_settings(WORKFLOW_DELIVERY_ACP_ALLOW_PERMISSIONS=("read",))
+def test_permission_requests_are_denied_unless_allowed_and_the_turn_is_kept(roster):
+    owner, agent, _ = roster
+    asked = send(owner, agent, "permission delete everything", key="k-perm")
+    streamed = send(owner, agent, "stream 3", key="k-stream")
+    runner = acp_agent(owner, agent)
+    turns = {}
+    runner.handler.on_turn = lambda context, turn, verdict: turns.update({turn.delivery_id: turn})
+    with Driving(runner):
+        assert eventually(lambda: settled(asked) and settled(streamed), 10)
+    assert '"optionId": "deny"' in turns[asked].text or '"option_id": "deny"' in turns[asked].text
+    assert "permission denied: delete everything (edit)" in turns[asked].events
+    assert turns[streamed].text == "chunk 0 chunk 1 chunk 2 "
