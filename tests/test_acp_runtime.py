@@ -220,7 +220,7 @@ def test_an_agent_that_never_answers_initialize_is_a_clear_error(roster):
     runner = acp_agent(
         owner, agent, handshake_timeout=0.5, env={**os.environ, "ACP_AGENT_MODE": "mute"}
     )
-    with pytest.raises(AgentStartError, match="did not answer initialize within 0.5 s"):
+    with pytest.raises(AgentStartError, match=r"did not answer initialize within 0\.5 s"):
         runner.run()
     assert record(owner, delivery).attempts == 0
 
