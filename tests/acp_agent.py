@@ -32,7 +32,9 @@ Per turn, the first word of the prompt's first text block picks what it does:
 The environment chooses what the process does as a whole (``ACP_AGENT_MODE``):
 ``exit`` exits before reading anything; ``bad-version`` answers ``initialize`` with a
 protocol version the client does not speak; ``mute`` never answers ``initialize``.
-``ACP_AGENT_LOG``, when set, is a file each turn appends one line to (``pid word``).
+``ACP_AGENT_DELAY`` seconds are spent before and after each reply (for the chaos
+test to kill it between the two). ``ACP_AGENT_LOG``, when set, is a file each turn
+appends one line to (``pid word``).
 """
 
 from __future__ import annotations
@@ -124,8 +126,11 @@ class ScriptedAgent:
         elif word in ("reply", "reply-twice"):
             keys, _, content = rest.partition(" ")
             arguments = {"content": content, "to": [key for key in keys.split(",") if key]}
+            delay = float(os.environ.get("ACP_AGENT_DELAY", "0"))
             for _ in range(2 if word == "reply-twice" else 1):
+                await asyncio.sleep(delay)
                 await self._say(session_id, await self._call(session_id, "reply", arguments))
+            await asyncio.sleep(delay)
         elif word == "fail":
             await self._say(session_id, await self._call(session_id, "fail", {"reason": rest}))
         elif word == "read":
