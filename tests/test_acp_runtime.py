@@ -14,7 +14,7 @@ import pytest
 from django.db import connection
 from django.test import override_settings
 
-from tests import factories
+from tests import admin_pages, factories
 from tests.consumers import eventually, status
 from workflow_delivery.acp import AcpAgent, AgentStartError
 from workflow_delivery.models import Event, WorkflowAgentDelivery
@@ -186,7 +186,8 @@ def replies_to(peer: bytes) -> list[Event]:
     return list(Event.objects.filter(tags__contains=[["p", peer.hex(), "", "message-v1"]]))
 
 
-def test_reply_over_mcp_is_stored_once_in_the_run_and_delivered(roster):
+def test_reply_over_mcp_is_stored_once_in_the_run_and_delivered(roster, client, viewer):
+    viewer_client = client
     owner, agent, peer = roster
     delivery = send(owner, agent, f"reply-twice {peer.hex()} thanks, done", key="k-reply")
     with Driving(acp_agent(owner, agent, max_deliveries=1)):
@@ -200,6 +201,10 @@ def test_reply_over_mcp_is_stored_once_in_the_run_and_delivered(roster):
     # Sent to the peer: one delivery of the reply, in the same run.
     [sent] = WorkflowAgentDelivery.objects.filter(target_pubkey=peer)
     assert sent.run_id == asked.binding.run_id
+    # Shown on the delivery's admin page.
+    page = viewer_client.get(admin_pages.change(WorkflowAgentDelivery, delivery))
+    assert page.status_code == 200
+    assert f"<code>{agent.hex()[:12]}</code>: thanks, done" in page.content.decode()
 
 
 @override_settings(WORKFLOW_DELIVERY_ACP_REPLY_BYTES=10)
