@@ -228,6 +228,9 @@ def _app_setting(name: str, default: Any) -> Any:
         return value
     if isinstance(default, float):
         return float(_number(name, raw, whole=False))
+    if isinstance(default, tuple):
+        # A list of names (ACP_ALLOW_PERMISSIONS), comma-separated.
+        return tuple(item.strip() for item in raw.split(",") if item.strip())
     return raw
 
 

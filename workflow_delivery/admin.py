@@ -644,7 +644,10 @@ class DeliveryAdmin(ReadOnlyAdmin):
                 ]
             },
         ),
-        ("Message", {"fields": ["message_event_link", time_field("message_event_created_at")]}),
+        (
+            "Message",
+            {"fields": ["message_event_link", time_field("message_event_created_at"), "replies"]},
+        ),
         (
             "Cause",
             {
@@ -769,6 +772,27 @@ class DeliveryAdmin(ReadOnlyAdmin):
             "</tr></thead><tbody>{}</tbody></table>{}",
             rows,
             note,
+        )
+
+    @admin.display(description="replies")
+    def replies(self, obj: WorkflowAgentDelivery) -> str | SafeString:
+        # Messages tagged as replies to this delivery's message (the ACP runtime's
+        # reply tool writes them), oldest first.
+        marker = ["e", bytes(obj.message_event_id).hex(), "", "reply"]
+        found = (
+            Event.objects.filter(community_id=obj.community_id, tags__contains=[marker])
+            .order_by("created_at")
+            .values_list("pubkey", "content")[:50]
+        )
+        if not found:
+            return "—"
+        return format_html(
+            '<ul class="wd-replies">{}</ul>',
+            format_html_join(
+                "",
+                "<li><code>{}</code>: {}</li>",
+                ((bytes(pubkey).hex()[:12], content[:500]) for pubkey, content in found),
+            ),
         )
 
     @admin.display(description="last error")

@@ -67,6 +67,12 @@ DEFAULTS: dict[str, Any] = {
     "MAX_MESSAGE_TAGS_BYTES": 65536,
     # Record each delivery's transitions (the timeline trigger) for the app's sessions.
     "TIMELINE": True,
+    # The ACP runtime (workflow_delivery.acp): what an agent's turn may say that is
+    # kept (bytes of its streamed text), the largest reply its MCP tool accepts, and
+    # the tool kinds or titles whose permission requests are allowed (others denied).
+    "ACP_TRANSCRIPT_BYTES": 65536,
+    "ACP_REPLY_BYTES": 65536,
+    "ACP_ALLOW_PERMISSIONS": (),
     # Community id (text) -> database alias holding it (workflow_delivery.routing).
     "COMMUNITY_DATABASES": {},
 }

@@ -67,7 +67,14 @@ from .validation import is_number, is_whole_number
 from .wakeups import WakeListener
 from .wakeups import available as wakeups_available
 
-__all__ = ["Consumer", "ConsumerStats", "DeliveryContext", "Handler", "PermanentFailure"]
+__all__ = [
+    "Consumer",
+    "ConsumerStats",
+    "DeliveryContext",
+    "GiveBack",
+    "Handler",
+    "PermanentFailure",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -83,6 +90,12 @@ class PermanentFailure(Exception):
     """Raised by a handler: the delivery cannot succeed, however often it is tried.
     The consumer settles it ``failed`` at once, with this error (and what it was
     raised from) kept as its last error, instead of retrying it."""
+
+
+class GiveBack(Exception):
+    """Raised by a handler that stops without a verdict (the consumer is stopping):
+    the lease is released at once, the delivery pending again, no attempt counted
+    as failed."""
 
 
 @dataclass
@@ -642,6 +655,8 @@ class Consumer:
             outcome = Outcome.FINISHED
         except LeaseNotLive:
             context.lost.set()
+        except GiveBack:
+            logger.info("handler gave %s back", lease.delivery_id)
         except PermanentFailure as exc:
             logger.warning(
                 "handler failed delivery %s for good: %s", lease.delivery_id, exc, exc_info=True
