@@ -86,10 +86,20 @@ def _database() -> dict:
         config.update(_hosts(url))
     if not config.get("NAME"):
         raise ImproperlyConfigured("DATABASE_URL names no database (…/dbname at the end).")
+    attrs = config.get("OPTIONS", {}).get("target_session_attrs")
+    if attrs is not None and attrs not in _SESSION_ATTRS:
+        # libpq would refuse every host with it, and the error would read as a server down.
+        raise ImproperlyConfigured(
+            f"DATABASE_URL's target_session_attrs must be one of {', '.join(_SESSION_ATTRS)}, "
+            f"got {attrs!r}."
+        )
     return config
 
 
 _HOST_PORT = re.compile(r"(?P<host>\[[0-9A-Fa-f:.]+\]|[^\[\]:]+)(?::(?P<port>[^:]*))?")
+
+
+_SESSION_ATTRS = ("any", "read-write", "read-only", "primary", "standby", "prefer-standby")
 
 
 def _hosts(url: str) -> dict[str, str]:

@@ -47,6 +47,10 @@ def manage(*args: str, **env: str) -> subprocess.CompletedProcess:
             {"DATABASE_URL": "postgres://root@127.0.0.1:5441,127.0.0.1:x/db"},
             "DATABASE_URL is malformed: host '127.0.0.1' has port 'x'",
         ),
+        (
+            {"DATABASE_URL": "postgres://root@a:1,b:2/db?target_session_attrs=writable"},
+            "DATABASE_URL's target_session_attrs must be one of any, read-write",
+        ),
     ],
 )
 def test_bad_configuration_is_one_clear_line(env, expected):
