@@ -233,6 +233,8 @@ class Harness:
             "idle_poll": config.idle_poll,
             "agent_kind": "consumer" if config.consumers else "loop",
             "consumer_poll": config.consumer_poll,
+            # With --failover, every other producer calls send_message instead.
+            "send_message": bool(config.failover),
             "seed": config.seed,
             "huge_step_targets": config.huge_step_targets,
             # Early in the window, so the restart at its middle rarely overlaps.
