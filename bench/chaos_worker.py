@@ -201,6 +201,30 @@ def run_producer(config: dict[str, Any], index: int, journal: Journal) -> None:
                     created = step.commit(created_at, batch)
                 return existed, created
 
+            if config.get("send_message") and index % 2:
+                # The other producer API: send_message under an idempotency key, whose
+                # retry after an ambiguous commit returns what the first call stored.
+                key = f"{run_id}:{step_id}"
+                sent = with_reconnect(
+                    journal,
+                    "commit",
+                    lambda key=key, chosen=chosen: services.send_message(
+                        community_id, targets=chosen, content="chaos", idempotency_key=key
+                    ),
+                )
+                ids = [str(record.id) for record in sent.deliveries]
+                journal.write(
+                    "commit",
+                    community=str(community_id),
+                    run=str(sent.run_id),
+                    step=sent.step_id,
+                    ids=ids,
+                    created=ids if sent.created else [],
+                    existed=not sent.created,
+                )
+                committed += len(ids)
+                time.sleep(pause * rng.uniform(0.5, 1.5))
+                continue
             answer = with_reconnect(journal, "commit", commit_step)
             existed, created = answer
             journal.write(

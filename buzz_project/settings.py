@@ -82,9 +82,48 @@ def _database() -> dict:
         config = env.db_url_config(url)
     except Exception as exc:
         raise ImproperlyConfigured(f"DATABASE_URL is malformed: {exc}") from exc
+    if "," in url.split("://", 1)[-1].split("/", 1)[0]:
+        config.update(_hosts(url))
     if not config.get("NAME"):
         raise ImproperlyConfigured("DATABASE_URL names no database (…/dbname at the end).")
+    attrs = config.get("OPTIONS", {}).get("target_session_attrs")
+    if attrs is not None and attrs not in _SESSION_ATTRS:
+        # libpq would refuse every host with it, and the error would read as a server down.
+        raise ImproperlyConfigured(
+            f"DATABASE_URL's target_session_attrs must be one of {', '.join(_SESSION_ATTRS)}, "
+            f"got {attrs!r}."
+        )
     return config
+
+
+_HOST_PORT = re.compile(r"(?P<host>\[[0-9A-Fa-f:.]+\]|[^\[\]:]+)(?::(?P<port>[^:]*))?")
+
+
+_SESSION_ATTRS = ("any", "read-write", "read-only", "primary", "standby", "prefer-standby")
+
+
+def _hosts(url: str) -> dict[str, str]:
+    """HOST and PORT of a libpq multi-host URL (``postgres://u@a:5441,b:5442/db``), each
+    a comma-separated list, one port per host (5432 where a host names none), as libpq
+    reads them; django-environ would give every host the first port."""
+    hosts, ports = [], []
+    netloc = url.split("://", 1)[1].split("/", 1)[0].split("?", 1)[0]
+    for entry in netloc.rsplit("@", 1)[-1].split(","):
+        found = _HOST_PORT.fullmatch(entry.strip())
+        if found is None:
+            raise ImproperlyConfigured(
+                f"DATABASE_URL is malformed: host {entry!r} of its host list is not "
+                "host or host:port (postgres://user@host1:port1,host2:port2/name)."
+            )
+        port = found["port"] or "5432"
+        if not (port.isdigit() and 0 < int(port) < 65536):
+            raise ImproperlyConfigured(
+                f"DATABASE_URL is malformed: host {found['host']!r} has port {port!r}, "
+                "not a number from 1 to 65535."
+            )
+        hosts.append(found["host"].strip("[]"))
+        ports.append(port)
+    return {"HOST": ",".join(hosts), "PORT": ",".join(ports)}
 
 
 def _as_app_role(config: dict) -> dict:

@@ -39,6 +39,18 @@ def manage(*args: str, **env: str) -> subprocess.CompletedProcess:
         ({"DEBUG": "maybe"}, "DEBUG must be true or false"),
         ({"DEBUG": "false", "SECRET_KEY": ""}, "SECRET_KEY must be set"),
         ({"WORKFLOW_DELIVERY_MAX_LEASE_SECONDS": "lots"}, "WORKFLOW_DELIVERY_MAX_LEASE_SECONDS"),
+        (
+            {"DATABASE_URL": "postgres://root@127.0.0.1:5441,/db"},
+            "DATABASE_URL is malformed: host '' of its host list",
+        ),
+        (
+            {"DATABASE_URL": "postgres://root@127.0.0.1:5441,127.0.0.1:x/db"},
+            "DATABASE_URL is malformed: host '127.0.0.1' has port 'x'",
+        ),
+        (
+            {"DATABASE_URL": "postgres://root@a:1,b:2/db?target_session_attrs=writable"},
+            "DATABASE_URL's target_session_attrs must be one of any, read-write",
+        ),
     ],
 )
 def test_bad_configuration_is_one_clear_line(env, expected):
@@ -328,3 +340,33 @@ def test_the_browser_and_pooler_tests_are_left_out_only_on_request_and_said_so(o
     else:
         assert {line.split("::")[0] for line in collected} == set(modules)
         assert "NOT RUN" not in result.stdout
+
+
+def test_a_multi_host_url_gives_each_host_its_own_port():
+    show = (
+        "from django.conf import settings; d = settings.DATABASES['default']; "
+        "print(d['HOST'], d['PORT'], d['OPTIONS']['target_session_attrs'])"
+    )
+    url = "postgres://root@10.0.0.1:5441,[::1],db.example:5443/buzz?target_session_attrs=read-write"
+    result = manage("shell", "-v", "0", "-c", show, DATABASE_URL=url, DEBUG="true")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["10.0.0.1,::1,db.example", "5441,5432,5443", "read-write"]
+
+
+def test_a_multi_host_url_reaches_the_host_that_answers():
+    # The first host refuses connections: libpq tries the next one, as it does when a
+    # failed primary is first in the list.
+    server = connection.settings_dict
+    url = (
+        f"postgres://{server['USER']}@127.0.0.1:1,{server['HOST']}:{server['PORT']}/"
+        f"{server['NAME']}?target_session_attrs=read-write"
+    )
+    show = (
+        "from django.db import connection; from workflow_delivery.wakeups import WakeListener\n"
+        "with connection.cursor() as c:\n"
+        "    c.execute('SELECT inet_server_port(), pg_is_in_recovery()'); print(*c.fetchone())\n"
+        "with WakeListener() as listener: print(listener.connected)"
+    )
+    result = manage("shell", "-v", "0", "-c", show, DATABASE_URL=url, DEBUG="true")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == [str(server["PORT"]), "False", "True"]
