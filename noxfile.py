@@ -40,6 +40,8 @@ TOOLS = ["pytest", "pytest-django", "pytest-timeout", "hypothesis", "selenium"]
 TOOLS += ["django-environ", "tqdm", "prometheus-client", "schemathesis"]
 # The agent API and the servers its live tests and benchmark start.
 TOOLS += ["django-ninja", "coincurve", "uvicorn", "gunicorn"]
+# The managed-agent runtime ([acp]) and the alert rules' test.
+TOOLS += ["agent-client-protocol", "mcp", "pyyaml"]
 DJANGO = {"5.2": None, "6.0": "Django==6.0.10", "6.1": "Django==6.1.3"}
 
 
