@@ -353,6 +353,7 @@ def test_a_multi_host_url_gives_each_host_its_own_port():
     assert result.stdout.split() == ["10.0.0.1,::1,db.example", "5441,5432,5443", "read-write"]
 
 
+@pytest.mark.psycopg3  # the wake-up listener is a psycopg 3 session
 def test_a_multi_host_url_reaches_the_host_that_answers():
     # The first host refuses connections: libpq tries the next one, as it does when a
     # failed primary is first in the list.
