@@ -50,6 +50,7 @@ import json
 import tempfile
 import threading
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import asynccontextmanager
 from contextvars import ContextVar
 
 import django
@@ -72,6 +73,36 @@ _API_URL_NAMES = frozenset({"workflow_delivery_api_docs"})
 
 # The body limit of the request being read (None: none), for Django's own path.
 _BODY_LIMIT: ContextVar[int | None] = ContextVar("workflow_delivery_body_limit", default=None)
+# The handler serving the request, for an asynchronous view's synchronous piece to take
+# one of its community's in-flight slots (``community_slot``).
+_HANDLER: ContextVar[tuple[PooledThreadsHandler, str] | None] = ContextVar(
+    "workflow_delivery_asgi_handler", default=None
+)
+
+
+class CommunityBusy(Exception):
+    """None of the community's in-flight slots freed in time."""
+
+
+@asynccontextmanager
+async def community_slot():
+    """One of the request's community's in-flight slots, held while an asynchronous view runs a
+    synchronous piece on a thread (its claim without a wait), so that piece counts
+    against the community's bound as a synchronous view does. ``CommunityBusy`` when
+    none frees in time; outside this app's handler, nothing is bounded."""
+    serving = _HANDLER.get()
+    if serving is None:
+        yield
+        return
+    handler, host = serving
+    if not await handler._enter(host):
+        raise CommunityBusy(host)
+    try:
+        yield
+    finally:
+        handler._leave(host)
+
+
 _UNSET = object()
 
 
@@ -167,6 +198,9 @@ class PooledThreadsHandler(ASGIHandler):
         else:
             context = ThreadSensitiveContext()
         token = _BODY_LIMIT.set(limit)
+        # An asynchronous agent API view takes a slot for its synchronous piece itself.
+        waiting_host = _host(scope) if api and not synchronous else None
+        handler_token = _HANDLER.set(None if waiting_host is None else (self, waiting_host))
         try:
             async with context:
                 if synchronous:
@@ -177,6 +211,7 @@ class PooledThreadsHandler(ASGIHandler):
             await self._refuse_body(send, exc.limit)
         finally:
             _BODY_LIMIT.reset(token)
+            _HANDLER.reset(handler_token)
             self._in_flight[index] -= 1
             if host is not None:
                 self._leave(host)

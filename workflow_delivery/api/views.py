@@ -39,6 +39,7 @@ from ..protocol import (
 )
 from ..store.run import one_transaction
 from . import schema, served
+from .asgi import CommunityBusy, community_slot
 from .auth import (
     ApiError,
     Caller,
@@ -246,7 +247,16 @@ async def claim(request: HttpRequest, payload: schema.ClaimIn | None = None):
         )
     if payload.wait:
         return await _claim_waiting(request, signed, payload)
-    return await sync_to_async(_claim_now)(request, signed, payload)
+    try:
+        async with community_slot():
+            return await sync_to_async(_claim_now)(request, signed, payload)
+    except CommunityBusy:
+        raise ApiError(
+            503,
+            "community_busy",
+            "too many requests of this community are in flight; try again shortly",
+            retry_after=1,
+        ) from None
 
 
 def _claim_now(
