@@ -566,7 +566,9 @@ def _why_skipped(considered: list[uuid.UUID], done: list[uuid.UUID]) -> dict[str
     """The rows an operator action left alone, counted by why (read after the action)."""
     left = WorkflowAgentDelivery.objects.filter(pk__in=set(considered) - set(done))
     reasons: dict[str, int] = defaultdict(int)
-    for state, status in left.values_list("community__deletion_state", "status"):
+    # Read in a fixed order, so the report names the reasons in one order every time.
+    rows = left.order_by("status", "id").values_list("community__deletion_state", "status")
+    for state, status in rows:
         if state != DeletionState.ACTIVE:
             reasons["community not active"] += 1
         elif status in TERMINAL_STATUSES:
@@ -582,7 +584,9 @@ def _why_not_retried(considered: list[uuid.UUID], done: list[uuid.UUID]) -> dict
     """The rows a retry left alone, counted by why (read after the retry)."""
     left = WorkflowAgentDelivery.objects.filter(pk__in=set(considered) - set(done))
     reasons: dict[str, int] = defaultdict(int)
-    for state, status in left.values_list("community__deletion_state", "status"):
+    # Read in a fixed order, so the report names the reasons in one order every time.
+    rows = left.order_by("status", "id").values_list("community__deletion_state", "status")
+    for state, status in rows:
         if state != DeletionState.ACTIVE:
             reasons["community not active"] += 1
         elif status == DeliveryStatus.FINISHED:
