@@ -380,7 +380,12 @@ class AgentRuntime:
                 f"{self.handshake_timeout:g} s"
             ) from None
         except Exception as exc:
-            code = process.returncode
+            # The connection may close a moment before the process has exited: its own
+            # exit status, given a second to come, says more than the one a stop gives.
+            try:
+                code = await asyncio.wait_for(process.wait(), 1.0)
+            except TimeoutError:
+                code = process.returncode
             await self._stop_agent("initialize failed")
             if code is None:
                 code = process.returncode
