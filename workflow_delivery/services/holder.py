@@ -623,16 +623,7 @@ def register_idle(
     before waiting: a delivery committed before the registration is found by that
     poll, one committed after it sends the wake. Commits on its own unless the
     caller's transaction is open."""
-    community_id = as_uuid("community_id", community_id)
-    if isinstance(targets, bytes | bytearray | str):
-        raise ProtocolError("targets", "must be a list of 32-byte public keys")
-    keys = sorted({as_bytes32("targets", target) for target in targets})
-    if not keys:
-        return
-    with run.cursor(using) as cursor:
-        run.execute(
-            cursor, statements.REGISTER_IDLE, {"community_id": community_id, "target_pubkeys": keys}
-        )
+    _on_idle_targets(statements.REGISTER_IDLE, community_id, targets, using)
 
 
 def unregister_idle(
@@ -640,6 +631,17 @@ def unregister_idle(
 ) -> None:
     """Take back ``targets``' idle registrations, as a consumer does when it stops
     cleanly: no wake-up is sent for them until a consumer registers them again."""
+    _on_idle_targets(statements.UNREGISTER_IDLE, community_id, targets, using)
+
+
+def _on_idle_targets(
+    statement: statements.Statement,
+    community_id: UUID | str,
+    targets: Iterable[bytes],
+    using: str,
+) -> None:
+    """``statement`` on the community's idle registrations of ``targets`` (checked,
+    each once, in key order); nothing for no targets."""
     community_id = as_uuid("community_id", community_id)
     if isinstance(targets, bytes | bytearray | str):
         raise ProtocolError("targets", "must be a list of 32-byte public keys")
@@ -647,11 +649,7 @@ def unregister_idle(
     if not keys:
         return
     with run.cursor(using) as cursor:
-        run.execute(
-            cursor,
-            statements.UNREGISTER_IDLE,
-            {"community_id": community_id, "target_pubkeys": keys},
-        )
+        run.execute(cursor, statement, {"community_id": community_id, "target_pubkeys": keys})
 
 
 def get_delivery(
