@@ -562,38 +562,42 @@ class ExpiredLeaseFilter(admin.SimpleListFilter):
         return queryset
 
 
-def _why_skipped(considered: list[uuid.UUID], done: list[uuid.UUID]) -> dict[str, int]:
-    """The rows an operator action left alone, counted by why (read after the action)."""
+def _left_alone(
+    considered: list[uuid.UUID], done: list[uuid.UUID], reason_of: Callable[[str], str]
+) -> dict[str, int]:
+    """The rows an operator action left alone, counted by why (read after the action):
+    a community that is not active, else ``reason_of`` their status."""
     left = WorkflowAgentDelivery.objects.filter(pk__in=set(considered) - set(done))
     reasons: dict[str, int] = defaultdict(int)
     # Read in a fixed order, so the report names the reasons in one order every time.
     rows = left.order_by("status", "id").values_list("community__deletion_state", "status")
     for state, status in rows:
-        if state != DeletionState.ACTIVE:
-            reasons["community not active"] += 1
-        elif status in TERMINAL_STATUSES:
-            reasons["already terminal"] += 1
-        elif status == DeliveryStatus.PENDING:
-            reasons["not claimed"] += 1
-        else:
-            reasons["changed meanwhile"] += 1
+        reasons["community not active" if state != DeletionState.ACTIVE else reason_of(status)] += 1
     return reasons
+
+
+def _why_skipped(considered: list[uuid.UUID], done: list[uuid.UUID]) -> dict[str, int]:
+    """The rows a release or a mark-failed left alone, counted by why."""
+
+    def reason_of(status: str) -> str:
+        if status in TERMINAL_STATUSES:
+            return "already terminal"
+        if status == DeliveryStatus.PENDING:
+            return "not claimed"
+        return "changed meanwhile"
+
+    return _left_alone(considered, done, reason_of)
 
 
 def _why_not_retried(considered: list[uuid.UUID], done: list[uuid.UUID]) -> dict[str, int]:
-    """The rows a retry left alone, counted by why (read after the retry)."""
-    left = WorkflowAgentDelivery.objects.filter(pk__in=set(considered) - set(done))
-    reasons: dict[str, int] = defaultdict(int)
-    # Read in a fixed order, so the report names the reasons in one order every time.
-    rows = left.order_by("status", "id").values_list("community__deletion_state", "status")
-    for state, status in rows:
-        if state != DeletionState.ACTIVE:
-            reasons["community not active"] += 1
-        elif status == DeliveryStatus.FINISHED:
-            reasons["finished, never reopened"] += 1
-        else:
-            reasons[f"{status}, not failed"] += 1
-    return reasons
+    """The rows a retry left alone, counted by why."""
+
+    def reason_of(status: str) -> str:
+        if status == DeliveryStatus.FINISHED:
+            return "finished, never reopened"
+        return f"{status}, not failed"
+
+    return _left_alone(considered, done, reason_of)
 
 
 @admin.register(WorkflowAgentDelivery)
