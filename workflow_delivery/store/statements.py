@@ -707,6 +707,16 @@ SELECT recording_done.count,
 """)
 
 
+# Whether an operator's statement may write the community (its shared deletion lock
+# tried, not waited for, and its write fence open), and whether the timeline records.
+_OPERABLE = f"""operable AS MATERIALIZED (
+    SELECT CASE WHEN pg_try_advisory_xact_lock_shared(
+                         wd_community_deletion_key(%(community_id)s::uuid))
+                THEN community_write_allowed(%(community_id)s::uuid) ELSE false END AS ok,
+           {_RECORDING_ON} AS recording
+)"""
+
+
 # The operator's statements act on one community, on the rows ``chosen`` (locked, as
 # they were): they try its shared deletion lock rather than queue behind a transition
 # or a purge (the action then changes nothing and reports the rows as skipped). Each
@@ -714,12 +724,7 @@ SELECT recording_done.count,
 # answers the ids it changed. Parameters: ``community_id``, ``delivery_ids``, ``actor``.
 def _operator_statement(statuses: str, write: str, kind: str) -> Statement:
     return Statement(f"""
-WITH operable AS MATERIALIZED (
-    SELECT CASE WHEN pg_try_advisory_xact_lock_shared(
-                         wd_community_deletion_key(%(community_id)s::uuid))
-                THEN community_write_allowed(%(community_id)s::uuid) ELSE false END AS ok,
-           {_RECORDING_ON} AS recording
-),
+WITH {_OPERABLE},
 chosen AS (
     SELECT d.id, d.status, coalesce(d.last_claimed_at, d.claimed_at) AS claimed_at
       FROM {DELIVERIES} AS d
@@ -760,12 +765,7 @@ MARK_FAILED = _operator_statement(
 # reopened: ``wd_delivery_transition_guard``). Its timeline entry carries ``reason``.
 # Parameters: ``community_id``, ``delivery_ids``, ``actor``, ``reason``.
 OPERATOR_RETRY = Statement(f"""
-WITH operable AS MATERIALIZED (
-    SELECT CASE WHEN pg_try_advisory_xact_lock_shared(
-                         wd_community_deletion_key(%(community_id)s::uuid))
-                THEN community_write_allowed(%(community_id)s::uuid) ELSE false END AS ok,
-           {_RECORDING_ON} AS recording
-),
+WITH {_OPERABLE},
 chosen AS (
     SELECT d.id FROM {DELIVERIES} AS d
      WHERE d.community_id = %(community_id)s AND d.id = ANY(%(delivery_ids)s)
