@@ -709,19 +709,15 @@ class Consumer:
         *,
         turn: list[int] | None = None,
     ) -> tuple[Lease, DeliveryRecord] | None:
-        """Settle the delivery; with room for another (``turn`` given, not stopping,
-        under ``max_deliveries``), claim the next one in the same statement and
-        return it."""
+        """Settle the delivery; with room for another (``turn`` given, a target to
+        claim for, not stopping, under ``max_deliveries``), claim the next one in the
+        same statement and return it."""
         claimed = None
-        if turn is not None and not self._stopping.is_set() and self._reserve():
-            claimed, result = self._settle_and_claim(context, outcome, error, turn)
+        targets = self.targets  # the roster may replace the list meanwhile
+        if turn is not None and targets and not self._stopping.is_set() and self._reserve():
+            claimed, result = self._settle_and_claim(context, outcome, error, turn, targets)
         else:
-            result = self._retrying(
-                lambda: services.finish_delivery(
-                    context.lease, outcome, error=error, using=self.using
-                ),
-                context,
-            )
+            result = self._finish(context, outcome, error)
         if isinstance(result, Settled):
             self._count(result.outcome.value)
         elif isinstance(result, AlreadyTerminal):
@@ -732,19 +728,25 @@ class Consumer:
             self._count("lost")
         return claimed
 
+    def _finish(self, context: DeliveryContext, outcome: Outcome, error: Exception | None) -> Any:
+        """The settle alone, retried after a lost connection while the lease may live."""
+        return self._retrying(
+            lambda: services.finish_delivery(context.lease, outcome, error=error, using=self.using),
+            context,
+        )
+
     def _settle_and_claim(
-        self, context: DeliveryContext, outcome: Outcome, error: Exception | None, turn: list[int]
+        self,
+        context: DeliveryContext,
+        outcome: Outcome,
+        error: Exception | None,
+        turn: list[int],
+        targets: list[bytes],
     ) -> tuple[tuple[Lease, DeliveryRecord] | None, Any]:
-        """``finish_and_claim_next`` for the target whose turn it is, with one claim
-        reserved; a retry after a lost connection only settles (the first answer may
-        have claimed a delivery already, which its lease's end hands back)."""
-        targets = self.targets  # the roster may replace the list meanwhile
-        if not targets:
-            self._unreserve()
-            settle = lambda: services.finish_delivery(  # noqa: E731
-                context.lease, outcome, error=error, using=self.using
-            )
-            return None, self._retrying(settle, context)
+        """``finish_and_claim_next`` for the target of ``targets`` whose turn it is,
+        with one claim reserved; a retry after a lost connection only settles (the
+        first answer may have claimed a delivery already, which its lease's end hands
+        back)."""
         position = turn[0] % len(targets)
         try:
             answer = services.finish_and_claim_next(
@@ -758,13 +760,7 @@ class Consumer:
         except CONNECTION_ERRORS as exc:
             self._unreserve()
             _recover(self, exc)
-            result = self._retrying(
-                lambda: services.finish_delivery(
-                    context.lease, outcome, error=error, using=self.using
-                ),
-                context,
-            )
-            return None, result
+            return None, self._finish(context, outcome, error)
         except BaseException:
             self._unreserve()
             raise
