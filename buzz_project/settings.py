@@ -8,6 +8,7 @@ import re
 import secrets
 from pathlib import Path
 from typing import Any
+from urllib.parse import unquote
 
 import environ
 from django.core.exceptions import ImproperlyConfigured
@@ -105,7 +106,7 @@ _SESSION_ATTRS = ("any", "read-write", "read-only", "primary", "standby", "prefe
 def _hosts(url: str) -> dict[str, str]:
     """HOST and PORT of a libpq multi-host URL (``postgres://u@a:5441,b:5442/db``), each
     a comma-separated list, one port per host (5432 where a host names none), as libpq
-    reads them; django-environ would give every host the first port."""
+    reads them (a host percent-decoded); django-environ would give every host the first port."""
     hosts, ports = [], []
     netloc = url.split("://", 1)[1].split("/", 1)[0].split("?", 1)[0]
     for entry in netloc.rsplit("@", 1)[-1].split(","):
@@ -121,7 +122,9 @@ def _hosts(url: str) -> dict[str, str]:
                 f"DATABASE_URL is malformed: host {found['host']!r} has port {port!r}, "
                 "not a number from 1 to 65535."
             )
-        hosts.append(found["host"].strip("[]"))
+        # Percent-decoded, as libpq reads a URL: a Unix-socket directory may stand in
+        # the list (%2Frun%2Fpostgresql).
+        hosts.append(unquote(found["host"].strip("[]")))
         ports.append(port)
     return {"HOST": ",".join(hosts), "PORT": ",".join(ports)}
 
