@@ -68,8 +68,9 @@ def signed(
     )
 
 
-def _database_url() -> str:
-    """The test database (as pytest-django named it) for a server process."""
+def database_url() -> str:
+    """The test database (as pytest-django named it) as a ``DATABASE_URL`` for a
+    process the test starts: by TCP, or by the embedded server's socket directory."""
     entry = settings.DATABASES["default"]
     name = entry["NAME"]
     return common.database_url(common.BenchDb(name, common.conninfo(entry, name)))
@@ -78,5 +79,5 @@ def _database_url() -> str:
 @contextmanager
 def uvicorn_server(workers: int = 1, extra_env: dict[str, str] | None = None) -> Iterator[str]:
     """uvicorn serving the demo project over the test database; yields its base URL."""
-    with common.api_server(_database_url(), workers=workers, env=extra_env) as url:
+    with common.api_server(database_url(), workers=workers, env=extra_env) as url:
         yield url

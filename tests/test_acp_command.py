@@ -11,9 +11,9 @@ import sys
 from pathlib import Path
 
 import pytest
-from django.db import connection
 
 from tests import factories
+from tests.agent_http import database_url
 from tests.consumers import eventually, status
 from workflow_delivery.models import WorkflowAgentDelivery
 from workflow_delivery.protocol import DeliveryStatus
@@ -54,8 +54,7 @@ def command(owner, agent, *extra: str, agent_command=AGENT) -> list[str]:
 
 
 def environment(**extra: str) -> dict[str, str]:
-    name = connection.settings_dict["NAME"]
-    return {**os.environ, "DATABASE_URL": f"postgres://root@127.0.0.1:5432/{name}", **extra}
+    return {**os.environ, "DATABASE_URL": database_url(), **extra}
 
 
 @pytest.mark.parametrize(
