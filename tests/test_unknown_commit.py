@@ -54,7 +54,13 @@ class CommitEater:
                 client, _ = self.listener.accept()
             except OSError:
                 return
-            server = socket.create_connection(self.target)
+            host, port = self.target
+            if host.startswith("/"):
+                # The embedded server listens on a Unix socket in that directory.
+                server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                server.connect(f"{host}/.s.PGSQL.{port}")
+            else:
+                server = socket.create_connection(self.target)
             self.sockets += [client, server]
             threading.Thread(target=self._pipe, args=(client, server), daemon=True).start()
             threading.Thread(target=self._answers, args=(server, client), daemon=True).start()
