@@ -40,10 +40,12 @@ from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 from typing import Any
-from urllib.parse import quote
 
 import psycopg
 from tqdm import tqdm
+
+from bench import dsn
+from bench.dsn import conninfo
 
 ROOT = Path(__file__).resolve().parent.parent
 TARGETS = 64
@@ -87,17 +89,6 @@ def setup_django(name: str, *, server_side_binding: bool = False) -> None:
         options = settings.DATABASES["default"].setdefault("OPTIONS", {})
         options.update(server_side_binding=True, prepare_threshold=5)
     django.setup()
-
-
-def conninfo(entry: dict[str, Any], name: str) -> dict[str, Any]:
-    info = {"dbname": name, "user": entry.get("USER") or None}
-    if entry.get("HOST"):
-        info["host"] = entry["HOST"]
-    if entry.get("PORT"):
-        info["port"] = str(entry["PORT"])
-    if entry.get("PASSWORD"):
-        info["password"] = entry["PASSWORD"]
-    return info
 
 
 def connect(info: dict[str, Any]) -> psycopg.Connection:
@@ -394,17 +385,8 @@ def percentile(values: list[float], q: float) -> float:
 
 
 def database_url(db: BenchDb) -> str:
-    """A ``DATABASE_URL`` for ``db``; a Unix-socket directory (the embedded server)
-    travels as ``?host=``, which django-environ hands to psycopg unchanged."""
-    info = db.conninfo
-    credentials = quote(info.get("user") or "", safe="")
-    if info.get("password"):
-        credentials += ":" + quote(info["password"], safe="")
-    host = info.get("host") or "127.0.0.1"
-    if host.startswith("/"):
-        return f"postgres://{credentials}@/{db.name}?host={quote(host)}"
-    port = f":{info['port']}" if info.get("port") else ""
-    return f"postgres://{credentials}@{quote(host, safe='')}{port}/{db.name}"
+    """A ``DATABASE_URL`` for ``db``, for server processes (see ``bench.dsn``)."""
+    return dsn.database_url(db.name, db.conninfo)
 
 
 def _listening_socket() -> socket.socket:

@@ -11,7 +11,7 @@ from contextlib import contextmanager
 from django.conf import settings
 from django.test import Client
 
-from bench import common
+from bench import dsn
 from workflow_delivery import keys
 from workflow_delivery.api import nip98
 
@@ -73,11 +73,13 @@ def database_url() -> str:
     process the test starts: by TCP, or by the embedded server's socket directory."""
     entry = settings.DATABASES["default"]
     name = entry["NAME"]
-    return common.database_url(common.BenchDb(name, common.conninfo(entry, name)))
+    return dsn.database_url(name, dsn.conninfo(entry, name))
 
 
 @contextmanager
 def uvicorn_server(workers: int = 1, extra_env: dict[str, str] | None = None) -> Iterator[str]:
     """uvicorn serving the demo project over the test database; yields its base URL."""
+    from bench import common  # psycopg 3 at import; the psycopg2 cell leaves these tests out
+
     with common.api_server(database_url(), workers=workers, env=extra_env) as url:
         yield url
