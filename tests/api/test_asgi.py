@@ -305,3 +305,14 @@ def test_a_request_starts_and_finishes_on_the_handler_s_long_lived_thread(path, 
     names = {name for _, name in seen}
     assert [event for event, _ in seen] == ["started", "finished"] * 2
     assert len(names) == 1 and names.pop().startswith("django-sync-0")
+
+
+def test_a_request_goes_to_the_thread_with_fewest_requests_and_between_equals_not_the_one_stuck_longest():
+    handler = PooledThreadsHandler(threads=3)
+    handler._in_flight = [[100.0], [250.0], [90.0, 300.0]]
+    # Threads 0 and 1 hold one request each; 0's began first, so it may be stuck.
+    assert handler._pick_thread() == 1
+    handler._in_flight[1].append(260.0)
+    assert handler._pick_thread() == 0
+    handler._in_flight[2] = []
+    assert handler._pick_thread() == 2

@@ -49,6 +49,7 @@ import asyncio
 import json
 import tempfile
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from contextvars import ContextVar
@@ -166,7 +167,8 @@ class PooledThreadsHandler(ASGIHandler):
             )
             for index in range(threads)
         ]
-        self._in_flight = [0] * threads
+        # Per thread, when each of its requests in flight began (the event loop's alone).
+        self._in_flight: list[list[float]] = [[] for _ in range(threads)]
         # Per host, the slots of the agent API's synchronous requests and how many
         # requests hold or wait for one (the event loop's alone).
         self._per_host: dict[str, list] = {}
@@ -191,8 +193,9 @@ class PooledThreadsHandler(ASGIHandler):
             return
         # Only the event loop's thread reads and writes the counts; the thread is
         # chosen once the request may take one.
-        index = min(range(len(self._in_flight)), key=self._in_flight.__getitem__)
-        self._in_flight[index] += 1
+        index = self._pick_thread()
+        began = time.monotonic()
+        self._in_flight[index].append(began)
         if POOLED_THREADS:
             context = ThreadSensitiveContext(executor=self._executors[index])
         else:
@@ -212,9 +215,21 @@ class PooledThreadsHandler(ASGIHandler):
         finally:
             _BODY_LIMIT.reset(token)
             _HANDLER.reset(handler_token)
-            self._in_flight[index] -= 1
+            self._in_flight[index].remove(began)
             if host is not None:
                 self._leave(host)
+
+    def _pick_thread(self) -> int:
+        """The thread with the fewest requests in flight; between equals, the one whose
+        oldest request began last, since a thread whose request has run longest is the
+        likeliest to be stuck behind a lock (and a request finishing its answer still
+        counts on its thread for a moment)."""
+
+        def load(index: int) -> tuple[int, float]:
+            requests = self._in_flight[index]
+            return len(requests), -min(requests, default=0.0)
+
+        return min(range(len(self._in_flight)), key=load)
 
     async def _enter(self, host: str) -> bool:
         """Take one of the host's slots, waiting on the event loop (not on a thread)
