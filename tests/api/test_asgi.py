@@ -307,7 +307,7 @@ def test_a_request_starts_and_finishes_on_the_handler_s_long_lived_thread(path, 
     assert len(names) == 1 and names.pop().startswith("django-sync-0")
 
 
-def test_a_request_goes_to_the_thread_with_fewest_requests_and_between_equals_not_the_one_stuck_longest():
+def test_a_request_goes_to_the_least_busy_thread_and_between_equals_not_the_oldest_busy():
     handler = PooledThreadsHandler(threads=3)
     handler._in_flight = [[100.0], [250.0], [90.0, 300.0]]
     # Threads 0 and 1 hold one request each; 0's began first, so it may be stuck.
