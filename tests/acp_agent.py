@@ -7,6 +7,12 @@ Per turn, the first word of the prompt's first text block picks what it does:
     says "ok: <the rest>" in one chunk, ends the turn (``end_turn``);
 ``stream N``
     says N chunks, then ``end_turn``;
+``transcript N``
+    a turn for the transcript: says N chunks holding HTML (``<b>part i</b> & ``),
+    reports two tool calls (``read <notes>``, kind read: pending, in progress,
+    completed; ``edit config``, kind edit: failed), asks permission for
+    ``delete <everything>`` (kind delete), says which option it was given and
+    ``done``, then ``end_turn``;
 ``reply <hex>[,<hex>] <text>``
     calls the session's MCP ``reply`` tool (a real MCP client session to the server
     that ``session/new`` named) with ``<text>`` to those keys, reports the tool call,
@@ -111,6 +117,25 @@ class ScriptedAgent:
         await self._conn.session_update(session_id, update_tool_call(call_id, status=status))
         return ("error: " if result.is_error else "") + text
 
+    async def _transcript(self, session_id: str, chunks: int) -> None:
+        for index in range(chunks):
+            await self._say(session_id, f"<b>part {index}</b> & ")
+        update = self._conn.session_update
+        await update(session_id, start_tool_call("t1", "read <notes>", kind="read"))
+        await update(session_id, update_tool_call("t1", status="in_progress"))
+        await update(session_id, update_tool_call("t1", status="completed"))
+        await update(session_id, start_tool_call("t2", "edit config", kind="edit"))
+        await update(session_id, update_tool_call("t2", status="failed"))
+        answer = await self._conn.request_permission(
+            options=[
+                PermissionOption(option_id="yes", name="Allow", kind="allow_once"),
+                PermissionOption(option_id="no", name="Reject", kind="reject_once"),
+            ],
+            session_id=session_id,
+            tool_call=update_tool_call("t3", title="delete <everything>", kind="delete"),
+        )
+        await self._say(session_id, f"given {getattr(answer.outcome, 'option_id', None)}; done")
+
     async def prompt(self, prompt: list, session_id: str, **kwargs: Any) -> PromptResponse:
         text = next((block.text for block in prompt if getattr(block, "type", "") == "text"), "")
         word, _, rest = text.strip().partition(" ")
@@ -123,6 +148,8 @@ class ScriptedAgent:
         if word == "stream":
             for index in range(int(rest or 3)):
                 await self._say(session_id, f"chunk {index} ")
+        elif word == "transcript":
+            await self._transcript(session_id, int(rest or 3))
         elif word in ("reply", "reply-twice"):
             keys, _, content = rest.partition(" ")
             arguments = {"content": content, "to": [key for key in keys.split(",") if key]}

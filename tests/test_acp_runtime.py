@@ -254,5 +254,10 @@ def test_permission_requests_are_denied_unless_allowed_and_the_turn_is_kept(rost
     with Driving(runner):
         assert eventually(lambda: settled(asked) and settled(streamed), 10)
     assert '"optionId": "deny"' in turns[asked].text or '"option_id": "deny"' in turns[asked].text
-    assert "permission denied: delete everything (edit)" in turns[asked].events
+    [request] = turns[asked].permissions
+    assert (request["title"], request["kind"], request["answer"]) == (
+        "delete everything",
+        "edit",
+        "denied",
+    )
     assert turns[streamed].text == "chunk 0 chunk 1 chunk 2 "

@@ -17,6 +17,7 @@ DISTRIBUTED = {
     "community_agents",
     "events",
     "workflow_agent_deliveries",
+    "workflow_delivery_agent_turns",
     "workflow_delivery_idle_wake_targets",
     "workflow_delivery_timeline",
     "workflow_runs",

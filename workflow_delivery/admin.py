@@ -53,6 +53,7 @@ from .models import (
     REASON_MAX_LENGTH,
     STATUSES,
     TERMINAL_STATUSES,
+    AgentTurn,
     Community,
     CommunityAgent,
     DeletionState,
@@ -548,6 +549,99 @@ def _error(kind: str | None, message: str | None, traceback: str | None) -> str 
     )
 
 
+# The timeline entries that end a claim with a verdict: a settle, a retry, a retry
+# that used the last attempt. A stored turn is shown on the one of its attempt.
+_TURN_ENDS = frozenset({"finished", "failed", "retried", "attempts_exhausted"})
+TURN_EXCERPT = 120
+
+
+def _ends_claim(entry: Any) -> bool:
+    return entry.status_before == DeliveryStatus.CLAIMED.value and entry.kind in _TURN_ENDS
+
+
+def _turns_of(delivery: WorkflowAgentDelivery) -> list[AgentTurn]:
+    return list(
+        AgentTurn.objects.using(delivery._state.db or "default")
+        .filter(community_id=delivery.community_id, delivery_id=delivery.id)
+        .order_by("attempts")[:50]
+    )
+
+
+def _turn_summary(turn: AgentTurn) -> str:
+    calls = len(turn.tool_calls)
+    asked = len(turn.permissions)
+    return (
+        f"{turn.said_bytes} bytes said{' (cut)' if turn.truncated else ''}, "
+        f"{calls} tool call(s), {asked} permission request(s)"
+    )
+
+
+def _turn_links(delivery: WorkflowAgentDelivery) -> dict[int, SafeString]:
+    """For the timeline: per attempt, the start of what the agent said, linked to
+    the whole turn below."""
+    links = {}
+    for turn in _turns_of(delivery):
+        excerpt = turn.text[:TURN_EXCERPT] + ("…" if len(turn.text) > TURN_EXCERPT else "")
+        links[turn.attempts] = format_html(
+            '<a href="#wd-turn-{}" class="wd-turn-link">{}</a><br><q>{}</q>',
+            turn.attempts,
+            _turn_summary(turn),
+            excerpt,
+        )
+    return links
+
+
+def _turn_html(turn: AgentTurn) -> SafeString:
+    cut = (
+        format_html(
+            '<p class="wd-agent-text-cut">cut at the bound: {} of the {} bytes said are kept</p>',
+            len(turn.text.encode()),
+            turn.said_bytes,
+        )
+        if turn.truncated
+        else ""
+    )
+    calls = format_html_join(
+        "",
+        "<li>tool call <code>{}</code>: {} ({}): {}</li>",
+        (
+            (call.get("id"), call.get("title") or "—", call.get("kind") or "—", call.get("status"))
+            for call in turn.tool_calls
+        ),
+    )
+    asked = format_html_join(
+        "",
+        "<li>permission asked for {} ({}), options {}: {} ({})</li>",
+        (
+            (
+                request.get("title"),
+                request.get("kind"),
+                ", ".join(request.get("options") or []) or "none",
+                request.get("answer"),
+                request.get("option") or "no option chosen",
+            )
+            for request in turn.permissions
+        ),
+    )
+    return format_html(
+        '<div class="wd-agent-turn" id="wd-turn-{}"><p>attempt {} (generation {}), '
+        "settled {} at {}, stop reason {}: {}</p>"
+        '<pre class="wd-agent-text">{}</pre>{}'
+        '<ul class="wd-tool-calls">{}</ul><ul class="wd-permissions">{}</ul></div>',
+        turn.attempts,
+        turn.attempts,
+        turn.generation,
+        turn.outcome,
+        _when(turn.settled_at),
+        turn.stop_reason or "—",
+        _turn_summary(turn),
+        turn.text or "(nothing said)",
+        cut,
+        calls,
+        asked,
+    )
+
+
 class ExpiredLeaseFilter(admin.SimpleListFilter):
     title = "lease"
     parameter_name = "lease"
@@ -656,6 +750,7 @@ class DeliveryAdmin(ReadOnlyAdmin):
             "Message",
             {"fields": ["message_event_link", time_field("message_event_created_at"), "replies"]},
         ),
+        ("Agent turns", {"fields": ["agent_turns"]}),
         (
             "Cause",
             {
@@ -745,10 +840,11 @@ class DeliveryAdmin(ReadOnlyAdmin):
     def timeline(self, obj: WorkflowAgentDelivery) -> SafeString:
         # The stored entries and the ones the row itself implies, merged in order.
         entries = delivery_history(obj)
+        said = _turn_links(obj)
         rows = format_html_join(
             "",
             "<tr><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td>"
-            "<td>{}</td></tr>",
+            "<td>{}</td><td>{}</td></tr>",
             (
                 (
                     _when(entry.at),
@@ -760,6 +856,7 @@ class DeliveryAdmin(ReadOnlyAdmin):
                     f"reason: {entry.reason}"
                     if entry.reason
                     else _error(entry.error_type, entry.error_message, entry.error_traceback),
+                    said.pop(entry.attempts, "") if _ends_claim(entry) else "",
                 )
                 for entry in entries
             ),
@@ -777,10 +874,19 @@ class DeliveryAdmin(ReadOnlyAdmin):
         return format_html(
             '<table class="wd-timeline"><thead><tr><th>at</th><th>transition</th>'
             "<th>status</th><th>generation</th><th>attempts</th><th>actor</th><th>error</th>"
-            "</tr></thead><tbody>{}</tbody></table>{}",
+            "<th>agent said</th></tr></thead><tbody>{}</tbody></table>{}",
             rows,
             note,
         )
+
+    @admin.display(description="agent turns")
+    def agent_turns(self, obj: WorkflowAgentDelivery) -> str | SafeString:
+        # What an ACP agent said in each attempt, stored with its settle. Agent text
+        # is untrusted: every part of it goes through format_html's escaping.
+        turns = _turns_of(obj)
+        if not turns:
+            return "—"
+        return format_html_join("", "{}", ((_turn_html(turn),) for turn in turns))
 
     @admin.display(description="replies")
     def replies(self, obj: WorkflowAgentDelivery) -> str | SafeString:

@@ -10,9 +10,11 @@ from django.db import DatabaseError, connections
 
 from .conf import DEFAULTS, app_settings
 from .validation import (
+    AGENT_TURN_TEXT_MAX_BYTES,
     LEASE_SECONDS_BOUND,
     is_delay_seconds,
     is_number,
+    is_transcript_bytes,
     is_whole_number,
     is_yield_ratio,
     parse_duration,
@@ -41,6 +43,10 @@ E008_MSG = "WORKFLOW_DELIVERY_MAX_ATTEMPTS must be None or a positive whole numb
 E022_MSG = (
     "WORKFLOW_DELIVERY_API_MAX_IN_FLIGHT_PER_COMMUNITY must be None or a positive whole "
     "number, got {value!r}."
+)
+E023_MSG = (
+    "WORKFLOW_DELIVERY_ACP_TRANSCRIPT_BYTES must be a whole number of bytes from 0 to "
+    "{bound} (the most a stored turn holds), got {value!r}."
 )
 E009_MSG = (
     "WORKFLOW_DELIVERY_RETENTION must be a duration such as 30d, 12h, 15m or 90s, got {value!r}."
@@ -147,6 +153,10 @@ def check_settings(app_configs: Any = None, **kwargs: Any) -> list:
     bound = app_settings.API_MAX_IN_FLIGHT_PER_COMMUNITY
     if bound is not None and not _positive_int(bound):
         errors.append(checks.Error(E022_MSG.format(value=bound), id="workflow_delivery.E022"))
+    transcript = app_settings.ACP_TRANSCRIPT_BYTES
+    if not is_transcript_bytes(transcript):
+        message = E023_MSG.format(bound=AGENT_TURN_TEXT_MAX_BYTES, value=transcript)
+        errors.append(checks.Error(message, id="workflow_delivery.E023"))
     backoff = {}
     for name in ("RETRY_BACKOFF_SECONDS", "RETRY_BACKOFF_MAX_SECONDS"):
         value = backoff[name] = getattr(app_settings, name)

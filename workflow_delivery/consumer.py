@@ -130,6 +130,11 @@ class DeliveryContext:
         #: Set when the consumer is stopping: a long handler may wind down early.
         self.stopping = consumer._stopping
         self.settled: Settled | None = None
+        #: Callables the consumer runs in the transaction of its settle of this
+        #: delivery (finish, fail or retry), right after it and only if it counted,
+        #: each given the result (``Settled``, ``Retried`` or ``Exhausted``): their
+        #: writes commit with the settle or not at all. A lost lease runs none.
+        self.with_settle: list[Callable[[Settled | Retried | Exhausted], None]] = []
         self._consumer = consumer
         self._message: MessageEvent | None = None
         self._message_read = False
@@ -731,9 +736,32 @@ class Consumer:
     def _finish(self, context: DeliveryContext, outcome: Outcome, error: Exception | None) -> Any:
         """The settle alone, retried after a lost connection while the lease may live."""
         return self._retrying(
-            lambda: services.finish_delivery(context.lease, outcome, error=error, using=self.using),
+            lambda: self._with_effects(
+                context,
+                lambda: services.finish_delivery(
+                    context.lease, outcome, error=error, using=self.using
+                ),
+            ),
             context,
         )
+
+    def _with_effects(
+        self,
+        context: DeliveryContext,
+        settle: Callable[[], Any],
+        result_of: Callable[[Any], Any] = lambda answer: answer,
+    ) -> Any:
+        """``settle()``, and then the context's ``with_settle`` effects in the same
+        transaction if it counted (``result_of`` finds the result in its answer)."""
+        if not context.with_settle:
+            return settle()
+        with transaction.atomic(using=self.using):
+            answer = settle()
+            result = result_of(answer)
+            if isinstance(result, Settled | Retried | Exhausted):
+                for effect in context.with_settle:
+                    effect(result)
+        return answer
 
     def _settle_and_claim(
         self,
@@ -749,13 +777,17 @@ class Consumer:
         back)."""
         position = turn[0] % len(targets)
         try:
-            answer = services.finish_and_claim_next(
-                context.lease,
-                outcome,
-                error=error,
-                target_pubkey=targets[position],
-                lease_seconds=self.lease_seconds,
-                using=self.using,
+            answer = self._with_effects(
+                context,
+                lambda: services.finish_and_claim_next(
+                    context.lease,
+                    outcome,
+                    error=error,
+                    target_pubkey=targets[position],
+                    lease_seconds=self.lease_seconds,
+                    using=self.using,
+                ),
+                lambda answer: answer.result,
             )
         except CONNECTION_ERRORS as exc:
             self._unreserve()
@@ -772,7 +804,10 @@ class Consumer:
 
     def _retry(self, context: DeliveryContext, error: Exception) -> None:
         result = self._retrying(
-            lambda: services.retry_delivery(context.lease, error=error, using=self.using),
+            lambda: self._with_effects(
+                context,
+                lambda: services.retry_delivery(context.lease, error=error, using=self.using),
+            ),
             context,
         )
         if isinstance(result, Retried):

@@ -23,6 +23,7 @@ from .protocol import (
     CauseKind,
     DeliveryStatus,
 )
+from .validation import AGENT_TURN_TEXT_MAX_BYTES
 
 NIL_UUID = uuid.UUID(int=0)
 # The longest label an agent of a roster may carry, in characters.
@@ -618,3 +619,89 @@ class CommunityAgent(models.Model):
 
     def __str__(self) -> str:
         return self.label or bytes(self.pubkey).hex()
+
+
+# The most tool calls, and permission requests, one stored turn lists.
+AGENT_TURN_MAX_ENTRIES = 200
+AGENT_TURN_STOP_REASON_MAX_LENGTH = 100
+
+
+class TurnOutcome(models.TextChoices):
+    """What the settle stored with a turn did to its delivery."""
+
+    FINISHED = "finished"
+    FAILED = "failed"
+    RETRIED = "retried"
+
+
+def _octet_length(field: str) -> models.Func:
+    return models.Func(F(field), function="octet_length", output_field=models.IntegerField())
+
+
+def _json_list(field: str, name: str) -> models.CheckConstraint:
+    """A JSON array of at most ``AGENT_TURN_MAX_ENTRIES`` entries."""
+    kind = models.Func(F(field), function="jsonb_typeof", output_field=models.TextField())
+    size = models.Func(F(field), function="jsonb_array_length", output_field=models.IntegerField())
+    return models.CheckConstraint(
+        condition=Exact(kind, "array") & LessThanOrEqual(size, AGENT_TURN_MAX_ENTRIES),
+        name=name,
+    )
+
+
+class AgentTurn(models.Model):
+    """What an ACP agent said in one turn on a delivery (one attempt), stored by the
+    runtime in the transaction of the settle that ended the attempt, only if that
+    settle counted: the text it streamed (``agent_message_chunk``; at most the
+    setting's bytes, ``said_bytes`` counts all it said), its tool calls and the
+    permission requests with the answers the policy gave. One per attempt
+    (``wd_agent_turn_once``); deleted with its delivery. Written only when the
+    delivery has left the claim of that attempt (``wd_agent_turn_settled``)."""
+
+    id = models.BigAutoField(primary_key=True)
+    community = _tenant_fk(Community, related_name="+")
+    delivery = _tenant_fk(WorkflowAgentDelivery, related_name="agent_turns")
+    attempts = models.IntegerField()
+    generation = models.BigIntegerField()
+    settled_at = models.DateTimeField(db_default=TransactionNow(), editable=False)
+    outcome = models.TextField(choices=TurnOutcome.choices)
+    stop_reason = models.TextField(null=True, blank=True)  # noqa: DJ001 (a turn that died has none)
+    text = models.TextField(blank=True, default="")
+    said_bytes = models.IntegerField()
+    tool_calls = models.JSONField(default=list)
+    permissions = models.JSONField(default=list)
+
+    class Meta:
+        db_table = "workflow_delivery_agent_turns"
+        ordering = ["community_id", "delivery_id", "attempts"]
+        constraints = [
+            models.UniqueConstraint(
+                fields=["community", "delivery", "attempts"], name="wd_agent_turn_once"
+            ),
+            models.CheckConstraint(
+                condition=Q(outcome__in=TurnOutcome.values), name="wd_agent_turn_outcome_valid"
+            ),
+            models.CheckConstraint(
+                condition=Q(attempts__gte=1, generation__gte=1), name="wd_agent_turn_claimed"
+            ),
+            models.CheckConstraint(
+                condition=LessThanOrEqual(_octet_length("text"), AGENT_TURN_TEXT_MAX_BYTES),
+                name="wd_agent_turn_text_bytes",
+            ),
+            models.CheckConstraint(
+                condition=GreaterThanOrEqual(F("said_bytes"), _octet_length("text")),
+                name="wd_agent_turn_said_covers_text",
+            ),
+            _at_most(
+                "stop_reason", AGENT_TURN_STOP_REASON_MAX_LENGTH, "wd_agent_turn_stop_reason_length"
+            ),
+            _json_list("tool_calls", "wd_agent_turn_tool_calls_list"),
+            _json_list("permissions", "wd_agent_turn_permissions_list"),
+        ]
+
+    def __str__(self) -> str:
+        return f"turn of attempt {self.attempts}: {self.outcome}"
+
+    @property
+    def truncated(self) -> bool:
+        """The text was cut at the bound: the agent said more than is kept."""
+        return self.said_bytes > len(self.text.encode())

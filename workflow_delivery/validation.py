@@ -19,6 +19,16 @@ def is_whole_number(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+# The most of an agent turn's streamed text a stored turn holds (UTF-8 bytes), so the
+# most WORKFLOW_DELIVERY_ACP_TRANSCRIPT_BYTES may keep (wd_agent_turn_text_bytes).
+AGENT_TURN_TEXT_MAX_BYTES = 1048576
+
+
+def is_transcript_bytes(value: object) -> bool:
+    """A bound on a turn's kept text: a whole number from 0 to the stored ceiling."""
+    return is_whole_number(value) and 0 <= value <= AGENT_TURN_TEXT_MAX_BYTES
+
+
 def is_number(value: object) -> bool:
     """A finite ``int`` or ``float`` that is not a ``bool`` (no inf, no nan)."""
     return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)

@@ -17,6 +17,12 @@ protocol error, a timeout or a turn cancelled by the agent itself retried with t
 Consumer's backoff and cap, the error kept; a lost lease settles nothing; a stop
 gives the lease back.
 
+What the agent said in the turn (its streamed text, cut at
+``WORKFLOW_DELIVERY_ACP_TRANSCRIPT_BYTES``, its tool calls and permission requests)
+is stored with the settle of the attempt, in the settle's transaction, whether the
+delivery finished, failed or is retried (``services.keep_agent_turn``). A lost lease,
+or a stop that gives the lease back, stores nothing.
+
 The tools (``tools_server``): ``read_message`` (the message, its run and step, the
 replies stored so far in the run), ``reply(content, to)`` (a message of the same run,
 tagged as a reply to the delivered one, sent to the enrolled agents in ``to``,
@@ -41,7 +47,14 @@ from .. import services
 from ..conf import app_settings
 from ..consumer import DeliveryContext, GiveBack, PermanentFailure
 from ..exceptions import LeaseNotLive, ProtocolError, WorkflowDeliveryError
-from ..protocol import DeliveryRecord, DeliveryStatus, Lease, MessageEvent
+from ..protocol import (
+    DeliveryRecord,
+    DeliveryStatus,
+    Lease,
+    MessageEvent,
+    Retried,
+    Settled,
+)
 from .runtime import AgentError, AgentRuntime, Turn
 
 __all__ = ["CANCEL_GRACE", "AcpHandler", "TurnTimeout", "tools_server"]
@@ -224,7 +237,8 @@ class AcpHandler:
         self.turn_timeout = turn_timeout
         self.using = using
         #: Called with (context, turn, verdict) on the handler's thread once a turn
-        #: ends under a live lease, before it settles (the transcript is kept there).
+        #: ends under a live lease, before it settles; what the turn said is stored
+        #: with the settle (``services.keep_agent_turn``).
         self.on_turn = on_turn
         #: Monotonic instants a lost lease was seen and session/cancel sent (benchmarks).
         self.cancelled_at: list[float] = []
@@ -298,8 +312,29 @@ class AcpHandler:
         outcome = self._verdict(turn, why)
         if self.on_turn is not None:
             self.on_turn(context, turn, outcome)
+        context.with_settle.append(lambda result: self._keep(turn, context, result))
         if isinstance(outcome, BaseException):
             raise outcome
+
+    def _keep(self, turn: Turn, context: DeliveryContext, result: object) -> None:
+        """Store what the agent said, in the transaction of the settle (``result``)."""
+        if isinstance(result, Settled):
+            outcome = result.outcome.value
+        elif isinstance(result, Retried):
+            outcome = "retried"
+        else:  # Exhausted: the retry used the last attempt and failed the delivery
+            outcome = "failed"
+        services.keep_agent_turn(
+            context.lease,
+            attempts=context.record.attempts,
+            outcome=outcome,
+            text=turn.text,
+            said_bytes=turn.said,
+            stop_reason=None if turn.stop_reason is None else turn.stop_reason[:100],
+            tool_calls=list(turn.tool_calls.values()),
+            permissions=turn.permissions,
+            using=self.using,
+        )
 
     def _verdict(self, turn: Turn, why: str | None) -> BaseException | None:
         if why == "timeout":

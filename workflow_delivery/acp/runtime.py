@@ -53,6 +53,14 @@ logger = logging.getLogger(__name__)
 # Sessions remembered per agent process; the oldest run's session is forgotten first.
 MAX_SESSIONS = 256
 MCP_SERVER_NAME = "workflow-delivery"
+# Tool calls, and permission requests, a turn keeps at most (the rest is not noted),
+# and the longest string of one it keeps.
+MAX_ENTRIES = 200
+MAX_FIELD = 300
+
+
+def _clip(value: object) -> str:
+    return str(value)[:MAX_FIELD]
 
 
 class AgentError(WorkflowDeliveryError):
@@ -70,8 +78,10 @@ class Turn:
     """One delivery handed to the agent, shared by the handler's thread and the loop.
 
     ``blocks`` is the ``session/prompt`` content. The loop appends what the agent
-    says to ``chunks`` (at most ``max_bytes`` of text, then ``truncated``), and
-    summaries of its tool calls and permission requests to ``events``. Once
+    says to ``chunks`` (at most ``max_bytes`` of text; ``said`` counts every byte it
+    said, so ``truncated`` tells a cut text), and summaries of its tool calls (by id,
+    their latest title, kind and status) and of its permission requests (what was
+    asked, the options, the policy's answer), at most ``MAX_ENTRIES`` of each. Once
     ``fenced`` is set (the lease is gone, the turn timed out or the runtime stops)
     no tool call of the turn does anything."""
 
@@ -81,8 +91,9 @@ class Turn:
     max_bytes: int
     chunks: list[str] = field(default_factory=list)
     size: int = 0
-    truncated: bool = False
-    events: list[str] = field(default_factory=list)
+    said: int = 0
+    tool_calls: dict[str, dict[str, str | None]] = field(default_factory=dict)
+    permissions: list[dict[str, Any]] = field(default_factory=list)
     fenced: threading.Event = field(default_factory=threading.Event)
     jobs: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)
     session_id: str | None = None
@@ -96,17 +107,53 @@ class Turn:
 
     def say(self, text: str) -> None:
         encoded = text.encode()
-        if self.size + len(encoded) > self.max_bytes:
-            room = self.max_bytes - self.size
+        cut = self.truncated
+        self.said += len(encoded)
+        if cut:
+            return  # the kept text is a prefix of what was said: nothing after a cut
+        room = self.max_bytes - self.size
+        if len(encoded) > room:
+            # Cut on a character boundary: a split character is left out whole.
             text = encoded[: max(0, room)].decode(errors="ignore")
-            self.truncated = True
         self.size += len(text.encode())
         if text:
             self.chunks.append(text)
 
-    def note(self, event: str) -> None:
-        if len(self.events) < 200:
-            self.events.append(event[:300])
+    @property
+    def truncated(self) -> bool:
+        return self.said > self.size
+
+    def tool_call(
+        self, call_id: str, *, title: Any = None, kind: Any = None, status: Any = None
+    ) -> None:
+        """Note a tool call, or what an update of it changes."""
+        entry = self.tool_calls.get(call_id)
+        if entry is None:
+            if len(self.tool_calls) >= MAX_ENTRIES:
+                return
+            entry = self.tool_calls[call_id] = {
+                "id": _clip(call_id),
+                "title": None,
+                "kind": None,
+                "status": "pending",
+            }
+        for name, value in (("title", title), ("kind", kind), ("status", status)):
+            if value is not None:
+                entry[name] = _clip(getattr(value, "value", value))
+
+    def permission(
+        self, title: str, kind: str, options: list[str], answer: str, option: str | None
+    ) -> None:
+        if len(self.permissions) < MAX_ENTRIES:
+            self.permissions.append(
+                {
+                    "title": _clip(title),
+                    "kind": _clip(kind),
+                    "options": [_clip(name) for name in options[:10]],
+                    "answer": answer,
+                    "option": None if option is None else _clip(option),
+                }
+            )
 
     @property
     def text(self) -> str:
@@ -183,12 +230,13 @@ class _Client:
             text = getattr(update.content, "text", None)
             if text is not None:
                 turn.say(text)
-        elif kind == "tool_call":
-            turn.note(
-                f"tool call {update.tool_call_id}: {update.title} ({update.status or 'pending'})"
+        elif kind in ("tool_call", "tool_call_update"):
+            turn.tool_call(
+                update.tool_call_id,
+                title=getattr(update, "title", None),
+                kind=getattr(update, "kind", None),
+                status=getattr(update, "status", None),
             )
-        elif kind == "tool_call_update" and update.status:
-            turn.note(f"tool call {update.tool_call_id}: {update.status}")
 
     async def request_permission(
         self, options: list[Any], session_id: str, tool_call: Any, **kwargs: Any
@@ -197,13 +245,20 @@ class _Client:
 
         title = getattr(tool_call, "title", None) or tool_call.tool_call_id
         kind = getattr(tool_call, "kind", None) or "other"
+        kind = getattr(kind, "value", kind)
         allowed = kind in self.runtime.allow or title in self.runtime.allow
         wanted = ("allow_once", "allow_always") if allowed else ("reject_once", "reject_always")
         chosen = next((option for option in options if option.kind in wanted), None)
         turn = self._turn(session_id)
         verdict = "allowed" if allowed and chosen else "denied"
         if turn is not None:
-            turn.note(f"permission {verdict}: {title} ({kind})")
+            turn.permission(
+                title,
+                kind,
+                [f"{option.name} ({option.kind})" for option in options],
+                verdict,
+                chosen.option_id if chosen is not None else None,
+            )
         if chosen is None:
             return RequestPermissionResponse(outcome=DeniedOutcome(outcome="cancelled"))
         return RequestPermissionResponse(

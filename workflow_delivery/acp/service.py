@@ -9,9 +9,11 @@ from uuid import UUID
 
 from django.db import DEFAULT_DB_ALIAS
 
-from ..conf import app_settings
+from ..checks import E023_MSG
+from ..conf import WorkflowDeliveryConfigurationError, app_settings
 from ..consumer import DEFAULT_GRACE_SECONDS, DEFAULT_POLL_INTERVAL, Consumer, ConsumerStats
 from ..protocol import as_bytes32
+from ..validation import AGENT_TURN_TEXT_MAX_BYTES, is_transcript_bytes
 from .handler import AcpHandler, tools_server
 from .runtime import AgentRuntime
 
@@ -46,6 +48,11 @@ class AcpAgent:
         on_progress: Callable[[ConsumerStats], None] | None = None,
     ) -> None:
         self.agent = as_bytes32("agent", agent)
+        transcript = app_settings.ACP_TRANSCRIPT_BYTES
+        if not is_transcript_bytes(transcript):
+            raise WorkflowDeliveryConfigurationError(
+                E023_MSG.format(bound=AGENT_TURN_TEXT_MAX_BYTES, value=transcript)
+            )
         self.runtime = AgentRuntime(
             command,
             env=env,

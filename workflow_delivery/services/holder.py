@@ -6,6 +6,7 @@ Claim, renew and finish are the hot path."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from datetime import UTC, datetime
@@ -22,7 +23,7 @@ from ..exceptions import (
     ProtocolError,
     WorkflowDeliveryConfigurationError,
 )
-from ..models import WorkflowAgentDelivery
+from ..models import TurnOutcome, WorkflowAgentDelivery
 from ..protocol import (
     AlreadyTerminal,
     Claimed,
@@ -559,6 +560,42 @@ class Held:
         transaction.on_commit(counters.SETTLED[outcome.value].inc, using=self._using)
         self.settled = Settled(outcome=outcome)
         return self.settled
+
+
+def keep_agent_turn(
+    lease: Lease,
+    *,
+    attempts: int,
+    outcome: str,
+    text: str,
+    said_bytes: int,
+    stop_reason: str | None = None,
+    tool_calls: Iterable[dict] = (),
+    permissions: Iterable[dict] = (),
+    using: str = DEFAULT_DB_ALIAS,
+) -> None:
+    """Store what an ACP agent said in the turn of the attempt ``attempts`` of the
+    lease's delivery: its streamed ``text`` (``said_bytes``: all it said, when the text
+    was cut), its stop reason, tool calls and permission requests. Call it in the
+    transaction of the settle that ended the attempt, after the settle counted
+    (``Consumer`` does, through ``DeliveryContext.with_settle``): the database refuses
+    a turn whose attempt still holds its claim, and a second turn of one attempt."""
+    if outcome not in TurnOutcome.values:
+        raise ProtocolError("outcome", f"must be one of {', '.join(TurnOutcome.values)}")
+    params = {
+        "community_id": lease.community_id,
+        "delivery_id": lease.delivery_id,
+        "generation": lease.generation,
+        "attempts": attempts,
+        "outcome": outcome,
+        "stop_reason": stop_reason,
+        "text": text,
+        "said_bytes": said_bytes,
+        "tool_calls": json.dumps(list(tool_calls)),
+        "permissions": json.dumps(list(permissions)),
+    }
+    with run.cursor(using, savepoint=False) as cursor:
+        run.execute(cursor, statements.KEEP_AGENT_TURN, params)
 
 
 @contextmanager

@@ -20,6 +20,7 @@ from django.db import connection
 
 from ..models import (
     AgentRequestReplay,
+    AgentTurn,
     Community,
     CommunityAgent,
     DeliveryTransition,
@@ -43,6 +44,7 @@ IDLE = _q(IdleWakeTarget._meta.db_table)
 AGENTS = _q(CommunityAgent._meta.db_table)
 TIMELINE = _q(DeliveryTransition._meta.db_table)
 EVENTS = _q(Event._meta.db_table)
+AGENT_TURNS = _q(AgentTurn._meta.db_table)
 
 _RETURNING = ", ".join(f"d.{_q(column)}" for column in RECORD_COLUMNS)
 
@@ -545,6 +547,18 @@ UPDATE {DELIVERIES}
 RETURNING status
 """)
 
+# What an ACP agent said in a turn, kept by the runtime in the transaction of the
+# settle that ended the attempt, after it (wd_agent_turn_settled refuses the turn of
+# an attempt whose claim is still live).
+KEEP_AGENT_TURN = Statement(f"""
+INSERT INTO {AGENT_TURNS}
+    (community_id, delivery_id, attempts, generation, outcome, stop_reason, text,
+     said_bytes, tool_calls, permissions)
+VALUES (%(community_id)s::uuid, %(delivery_id)s::uuid, %(attempts)s, %(generation)s,
+        %(outcome)s, %(stop_reason)s, %(text)s, %(said_bytes)s, %(tool_calls)s::jsonb,
+        %(permissions)s::jsonb)
+""")
+
 # The message events of claimed or read deliveries, by id, in the caller's community
 # (tags as text: decoded as the JSON field decodes them, by ``protocol.stored_message``;
 # a JSON content is decoded from its text, the jsonb beside it is not read).
@@ -942,6 +956,7 @@ PURGE = [
         ),
     )
     for table in [
+        AgentTurn._meta.db_table,
         CommunityAgent._meta.db_table,
         IdleWakeTarget._meta.db_table,
         DeliveryTransition._meta.db_table,
