@@ -385,6 +385,7 @@ def _claim_admitted(
     using: str,
 ) -> tuple[UUID, list[Claimed]]:
     params["lease_seconds"] = checked_lease_seconds(lease_seconds)
+    # A claim never refuses: a miss is a row of admission alone.
     community_id, answer = _run_admitted(request, statement, params, using)  # type: ignore[misc]
     pubkey = params["pubkey"]
     claimed = [
