@@ -173,6 +173,23 @@ class AgentAuthRefused(WorkflowDeliveryError):
         super().__init__(f"{code}: {detail}")
 
 
+class CommunityNotServed(WorkflowDeliveryError, LookupError):
+    """A signed agent request names a host that no community is served at."""
+
+    def __init__(self, host: str) -> None:
+        self.host = host
+        super().__init__(f"no community is served at host {host!r}")
+
+
+class CommunityDeleting(WorkflowDeliveryError):
+    """A signed agent request for a community whose deletion is in progress: nothing of
+    it is recorded; it may be sent again later."""
+
+    def __init__(self, community_id: UUID | None = None) -> None:
+        self.community_id = community_id
+        super().__init__("the community is being deleted; try again later")
+
+
 class AgentApiError(WorkflowDeliveryError):
     """An answer of the agent API that is not a result: ``status``, stable ``code``, ``detail``."""
 

@@ -159,6 +159,28 @@ def test_lease_seconds_without_next_is_refused(client, agent):
     assert stored(first["delivery_id"]) == ("claimed", 1)
 
 
+def test_a_finish_with_next_answers_a_json_message_as_its_value(client, agent):
+    value = {"order": 17, "items": [{"sku": "A-1", "qty": 2}]}
+    for key in ("first", "second"):
+        services.send_message(
+            agent.step.community.id, targets=[agent.pubkey], idempotency_key=key, content=value
+        )
+    claimed = claim(client, agent)
+    messages = [claimed["delivery"]["message"]]
+    lease = claimed["lease"]
+    while True:
+        body = {"generation": lease["generation"], "outcome": "finished", "next": True}
+        following = answer(agent.call(client, "POST", finish_path(lease), body), 200)["next"]
+        if following is None:
+            break
+        messages.append(following["delivery"]["message"])
+        lease = following["lease"]
+    # The fixture's text message and the two JSON ones, each as it was sent.
+    assert sorted(message["content_kind"] for message in messages) == ["json", "json", "text"]
+    sent = {"text": "please review", "json": value}
+    assert all(message["content"] == sent[message["content_kind"]] for message in messages)
+
+
 # -- claims that wait ------------------------------------------------------------------
 
 

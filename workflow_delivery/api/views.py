@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from functools import wraps
 from uuid import UUID
@@ -22,7 +23,13 @@ from ninja.errors import AuthenticationError, HttpError, ValidationError
 
 from .. import services, wire
 from ..conf import app_settings
-from ..exceptions import AgentAuthRefused, CommunityWriteFenced, ProtocolError
+from ..exceptions import (
+    AgentAuthRefused,
+    CommunityDeleting,
+    CommunityNotServed,
+    CommunityWriteFenced,
+    ProtocolError,
+)
 from ..models import WorkflowAgentDelivery
 from ..protocol import (
     AlreadyTerminal,
@@ -33,26 +40,14 @@ from ..protocol import (
     MessageEvent,
     Outcome,
     Renewed,
-    RequestEvent,
     Settled,
     as_uuid,
 )
 from ..store.run import one_transaction
-from . import schema, served
+from . import schema
 from .asgi import CommunityBusy, community_slot
-from .auth import (
-    ApiError,
-    Caller,
-    NostrAuth,
-    NostrSignedAuth,
-    NostrWaitAuth,
-    Signed,
-    admit,
-    admitted,
-    prune_now_and_then,
-    release_connection,
-    wait_gate,
-)
+from .auth import ApiError, NostrAuth, Signed, request_event
+from .connection import check_connection, release_connection, wait_gate
 from .wake import hub
 
 
@@ -120,6 +115,22 @@ def _unauthenticated(request: HttpRequest, exc: AuthenticationError) -> HttpResp
     return error(request, 401, "auth_missing", "send Authorization: Nostr <base64 signed event>")
 
 
+# Seconds a request of a community being deleted is told to wait (Retry-After).
+COMMUNITY_DELETING_RETRY_AFTER = 5
+
+
+@api.exception_handler(CommunityNotServed)
+def _unknown_community(request: HttpRequest, exc: CommunityNotServed) -> HttpResponse:
+    return error(request, 404, "unknown_community", str(exc))
+
+
+@api.exception_handler(CommunityDeleting)
+def _deleting(request: HttpRequest, exc: CommunityDeleting) -> HttpResponse:
+    response = error(request, 503, "community_deleting", str(exc))
+    response["Retry-After"] = str(COMMUNITY_DELETING_RETRY_AFTER)
+    return response
+
+
 @api.exception_handler(CommunityWriteFenced)
 def _fenced(request: HttpRequest, exc: CommunityWriteFenced) -> HttpResponse:
     return error(request, 409, "community_fenced", "the community is not accepting writes")
@@ -160,12 +171,12 @@ def in_one_transaction(run: Callable[..., HttpResponse]) -> Callable[..., HttpRe
 
     @wraps(run)
     def answer(request: HttpRequest, *args: object, **kwargs: object) -> HttpResponse:
-        served.check_connection()
+        check_connection()
         with one_transaction(DEFAULT_DB_ALIAS):
             response = run(request, *args, **kwargs)
             if response.status_code >= 400:
                 transaction.set_rollback(True)
-        prune_now_and_then()
+        services.prune_replay_guard_now_and_then()
         return response
 
     return answer
@@ -177,8 +188,27 @@ def _lease_lost(request: HttpRequest) -> HttpResponse:
     )
 
 
+@dataclass(frozen=True, slots=True)
+class Caller:
+    """An admitted request: its community and the agent key that signed it."""
+
+    community_id: UUID
+    pubkey: bytes
+    event_id: bytes
+
+
 def _caller(request: HttpRequest) -> Caller:
-    return request.auth  # type: ignore[attr-defined,return-value]
+    """The signed request admitted by the services (``services.admit``: the Host's
+    community, the key's standing, freshness, the replay guard), once per request.
+    In the request's transaction (``in_one_transaction``), so the replay row commits
+    with the operation or not at all."""
+    caller = getattr(request, "_workflow_delivery_caller", None)
+    if caller is None:
+        signed = _signed(request)
+        community_id = services.admit(request_event(signed))
+        caller = Caller(community_id=community_id, pubkey=signed.pubkey, event_id=signed.event.id)
+        request._workflow_delivery_caller = caller  # type: ignore[attr-defined]
+    return caller
 
 
 def _delivery_id(value: str) -> UUID:
@@ -220,13 +250,15 @@ def _answer(request: HttpRequest, document: dict) -> HttpResponse:
 
 
 def served_alone(run: Callable[..., HttpResponse]) -> Callable[..., HttpResponse]:
-    """For a view whose statement admits its request and serves it (``served``):
-    no transaction around it, and the replay guard pruned now and then after it."""
+    """For a view whose one statement admits its request and serves it (the services'
+    ``*_admitted`` functions): no transaction around it, the connection checked
+    before it, and the replay guard pruned now and then after it."""
 
     @wraps(run)
     def answer(request: HttpRequest, *args: object, **kwargs: object) -> HttpResponse:
+        check_connection()
         response = run(request, *args, **kwargs)
-        prune_now_and_then()
+        services.prune_replay_guard_now_and_then()
         return response
 
     return answer
@@ -236,7 +268,6 @@ def served_alone(run: Callable[..., HttpResponse]) -> Callable[..., HttpResponse
     "v1/claim",
     response={200: schema.ClaimOut, 204: None, **ERRORS, 503: schema.ErrorOut},
     summary="Claim the caller's oldest pending delivery (or the one named), waiting if asked",
-    auth=NostrSignedAuth(),
 )
 async def claim(request: HttpRequest, payload: schema.ClaimIn | None = None):
     signed = _signed(request)
@@ -262,24 +293,21 @@ async def claim(request: HttpRequest, payload: schema.ClaimIn | None = None):
 def _claim_now(
     request: HttpRequest, signed: Signed, payload: schema.ClaimIn
 ) -> HttpResponse | Status:
+    """The caller's oldest claimable delivery (or the one named, or one bound as
+    expected), admitted, claimed and its message read in one statement."""
     try:
-        if payload.delivery_id is None and payload.expected is None:
-            claimed = served.claim(signed, limit=1, lease_seconds=payload.lease_seconds)
-            if not claimed:
-                return Status(204, None)
-            return _answer(request, _claimed(*claimed[0]))
-        return _claim_named(request, signed, payload)
+        check_connection()
+        _, claimed = services.claim_admitted(
+            request_event(signed),
+            delivery_id=payload.delivery_id,
+            expected=payload.expected.binding() if payload.expected is not None else None,
+            lease_seconds=payload.lease_seconds,
+        )
+        if claimed is None:
+            return Status(204, None)
+        return _answer(request, _claimed(*claimed, claimed.message))
     finally:
-        prune_now_and_then()
-
-
-def _request_event(signed: Signed) -> RequestEvent:
-    return RequestEvent(
-        host=signed.host,
-        event_id=signed.event.id,
-        created_at=signed.event.created_at,
-        pubkey=signed.pubkey,
-    )
+        services.prune_replay_guard_now_and_then()
 
 
 def _gated(work: Callable[[], object]) -> object:
@@ -294,11 +322,10 @@ def _gated(work: Callable[[], object]) -> object:
 
 def _first_claim(signed: Signed, lease_seconds: int | None) -> tuple[UUID, Claimed | None]:
     """The waiting claim's admission and first claim, in one statement."""
-    admission, claimed = _gated(
-        lambda: services.claim_admitted(_request_event(signed), lease_seconds=lease_seconds)
+    community_id, claimed = _gated(
+        lambda: services.claim_admitted(request_event(signed), lease_seconds=lease_seconds)
     )
-    community_id = admitted(signed.host, signed.pubkey, admission)
-    prune_now_and_then()
+    services.prune_replay_guard_now_and_then()
     return community_id, claimed
 
 
@@ -351,50 +378,31 @@ async def _claim_waiting(
     return Status(204, None)
 
 
-def _claim_named(request: HttpRequest, signed: Signed, payload: schema.ClaimIn) -> HttpResponse:
-    """A claim of one named delivery, or of one bound as expected: admitted, claimed
-    and its message read in one transaction, all rolled back on a refusal."""
-    served.check_connection()
-    with one_transaction(DEFAULT_DB_ALIAS):
-        community_id = admit(signed.host, signed.event, signed.pubkey)
-        claimed = services.claim_delivery(
-            community_id,
-            signed.pubkey,
-            delivery_id=payload.delivery_id,
-            expected=payload.expected.binding() if payload.expected is not None else None,
-            lease_seconds=payload.lease_seconds,
-        )
-        if claimed is None:
-            return Status(204, None)
-        lease, record = claimed
-        messages = services.message_events(community_id, [record])
-        document = _claimed(lease, record, messages.get(record.id))
-        return api.create_response(request, document, status=200)
-
-
 @api.post(
     "v1/claim/batch",
     response={200: schema.ClaimBatchOut, **ERRORS},
     summary="Claim up to `limit` of the caller's oldest pending deliveries",
-    auth=NostrSignedAuth(),
 )
 @decorate_view(served_alone)
 def claim_batch(request: HttpRequest, payload: schema.ClaimBatchIn):
-    signed = _signed(request)
-    claimed = served.claim(signed, limit=payload.limit, lease_seconds=payload.lease_seconds)
-    return _answer(request, {"claimed": [_claimed(*item) for item in claimed]})
+    _, claimed = services.claim_batch_admitted(
+        request_event(_signed(request)), limit=payload.limit, lease_seconds=payload.lease_seconds
+    )
+    return _answer(request, {"claimed": [_claimed(*item, item.message) for item in claimed]})
 
 
 @api.post(
     "v1/deliveries/{delivery_id}/renew",
     response={200: schema.RenewOut, **ERRORS},
     summary="Extend a live lease",
-    auth=NostrSignedAuth(),
 )
 @decorate_view(served_alone)
 def renew(request: HttpRequest, delivery_id: schema.Uuid, payload: schema.RenewIn):
-    result = served.renew(
-        _signed(request), _delivery_id(delivery_id), payload.generation, payload.lease_seconds
+    result = services.renew_admitted(
+        request_event(_signed(request)),
+        _delivery_id(delivery_id),
+        payload.generation,
+        lease_seconds=payload.lease_seconds,
     )
     if isinstance(result, Renewed):
         return _answer(request, {"lease_until": wire.instant(result.lease_until)})
@@ -411,7 +419,6 @@ def _finish_document(result: Settled | AlreadyTerminal) -> dict[str, str]:
     "v1/deliveries/{delivery_id}/finish",
     response={200: schema.FinishOut, **ERRORS},
     summary="Settle a claimed delivery once (and, with `next`, claim the next one)",
-    auth=NostrSignedAuth(),
 )
 @decorate_view(served_alone)
 def finish(request: HttpRequest, delivery_id: schema.Uuid, payload: schema.FinishIn):
@@ -421,8 +428,11 @@ def finish(request: HttpRequest, delivery_id: schema.Uuid, payload: schema.Finis
         raise ApiError(
             400, "invalid_request", "lease_seconds: only a finish with next claims", "lease_seconds"
         )
-    result = served.finish(
-        _signed(request), _delivery_id(delivery_id), payload.generation, Outcome(payload.outcome)
+    result = services.finish_admitted(
+        request_event(_signed(request)),
+        _delivery_id(delivery_id),
+        payload.generation,
+        Outcome(payload.outcome),
     )
     if isinstance(result, LeaseLost):
         return _lease_lost(request)
@@ -434,17 +444,13 @@ def _finish_and_claim_next(
 ) -> HttpResponse:
     """Admitted, settled and the next delivery claimed with its message, in one
     statement (``services.finish_and_claim_next_admitted``)."""
-    signed = _signed(request)
-    served.check_connection()
-    admission, answer = services.finish_and_claim_next_admitted(
-        _request_event(signed),
+    answer = services.finish_and_claim_next_admitted(
+        request_event(_signed(request)),
         delivery_id,
         payload.generation,
         payload.outcome,
         lease_seconds=payload.lease_seconds,
     )
-    if admission is not None:
-        admitted(signed.host, signed.pubkey, admission)
     if isinstance(answer.result, LeaseLost):
         return _lease_lost(request)
     document: dict[str, object] = _finish_document(answer.result)
@@ -526,6 +532,18 @@ def _pending_delivery(caller: Caller, *, register_idle: bool = False) -> UUID | 
             release_connection()
 
 
+def _admit_waiting(request: HttpRequest) -> Caller:
+    """A waiting request's admission, through the wait gate, in autocommit (the wait
+    holds no transaction while it waits), the connection released after it."""
+    with wait_gate:
+        try:
+            caller = _caller(request)
+            services.prune_replay_guard_now_and_then()
+            return caller
+        finally:
+            release_connection()
+
+
 def _wake(caller: Caller, delivery_id: UUID) -> Status:
     return Status(200, {"delivery_id": str(delivery_id), "target": caller.pubkey.hex()})
 
@@ -534,13 +552,12 @@ def _wake(caller: Caller, delivery_id: UUID) -> Status:
     "v1/wait",
     response={200: schema.WakeOut, 204: None, **ERRORS, 503: schema.ErrorOut},
     summary="Wait until one of the caller's deliveries is committed",
-    auth=NostrWaitAuth(),
 )
 async def wait(
     request: HttpRequest,
     timeout: int = Query(30, ge=0, le=60, description="seconds to wait at most (0-60)"),
 ):
-    caller = _caller(request)
+    caller = await sync_to_async(_admit_waiting)(request)
     timeout = min(timeout, app_settings.API_MAX_WAIT_SECONDS)
     if hub.waiting >= app_settings.API_MAX_WAITERS:
         return error(request, 503, "too_many_waiters", "this server has enough waiters; poll")

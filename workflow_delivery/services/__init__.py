@@ -19,9 +19,11 @@ from .holder import (
     Held,
     checked_lease_seconds,
     claim_admitted,
+    claim_batch_admitted,
     claim_deliveries,
     claim_delivery,
     claim_enrolled,
+    finish_admitted,
     finish_and_claim_next,
     finish_and_claim_next_admitted,
     finish_deliveries,
@@ -32,6 +34,7 @@ from .holder import (
     message_events,
     register_idle,
     release_lease,
+    renew_admitted,
     renew_delivery,
     retry_delivery,
     unregister_idle,
@@ -45,16 +48,26 @@ from .maintenance import (
 )
 from .operator import fail_deliveries, release_deliveries, retry_failed_deliveries
 from .producer import StepIdentity, commit_deliveries, delivery_identity
-from .replay import admit_request_event, prune_replay_guard, record_request_event
+from .replay import (
+    admit,
+    admit_request_event,
+    admitted_community,
+    prune_replay_guard,
+    prune_replay_guard_now_and_then,
+    record_request_event,
+)
 from .sending import send_message
 
 __all__ = [
     "MAX_BATCH_SIZE",
     "Held",
     "StepIdentity",
+    "admit",
     "admit_request_event",
+    "admitted_community",
     "checked_lease_seconds",
     "claim_admitted",
+    "claim_batch_admitted",
     "claim_deliveries",
     "claim_delivery",
     "claim_enrolled",
@@ -62,6 +75,7 @@ __all__ = [
     "count_prunable",
     "delivery_identity",
     "fail_deliveries",
+    "finish_admitted",
     "finish_and_claim_next",
     "finish_and_claim_next_admitted",
     "finish_deliveries",
@@ -73,12 +87,14 @@ __all__ = [
     "prune_cutoff",
     "prune_deliveries",
     "prune_replay_guard",
+    "prune_replay_guard_now_and_then",
     "reap_deliveries",
     "reap_expired_deliveries",
     "record_request_event",
     "register_idle",
     "release_deliveries",
     "release_lease",
+    "renew_admitted",
     "renew_delivery",
     "retry_delivery",
     "retry_failed_deliveries",

@@ -38,7 +38,6 @@ from ..protocol import (
     MessageEvent,
     Outcome,
     Renewed,
-    RequestAdmission,
     RequestEvent,
     Retried,
     Settled,
@@ -52,7 +51,7 @@ from ..store import rows, run, statements
 from ..store.errors import REQUEST_REFUSED
 from ..validation import LEASE_SECONDS_BOUND, is_delay_seconds, is_whole_number
 from ._common import _max_attempts
-from .replay import _admission_params, _stored_admission
+from .replay import _admission_params, _stored_admission, admitted_community
 
 # A lease built only to check its fields: the database judges expiry by its own clock.
 _NO_TIME = datetime.min.replace(tzinfo=UTC)
@@ -104,15 +103,38 @@ def _outcome(value: object) -> Outcome:
         raise ProtocolError("outcome", f"must be finished or failed, not {value!r}") from None
 
 
+# The claim statements by shape: any row of the target (with a limit), one delivery
+# id, an expected binding (by its cause's column), both.
+_CLAIMS = (
+    statements.CLAIM,
+    statements.CLAIM_BY_ID,
+    statements.CLAIM_EXPECTED,
+    statements.CLAIM_BY_ID_EXPECTED,
+)
+_SERVED_CLAIMS = (
+    statements.SERVED_CLAIM,
+    statements.SERVED_CLAIM_BY_ID,
+    statements.SERVED_CLAIM_EXPECTED,
+    statements.SERVED_CLAIM_BY_ID_EXPECTED,
+)
+
+
 def _claim(
-    params: dict[str, object], delivery_id: UUID | None, expected: DeliveryBinding | None
+    params: dict[str, object],
+    delivery_id: UUID | None,
+    expected: DeliveryBinding | None,
+    shapes: tuple = _CLAIMS,
 ) -> statements.Statement:
-    """The claim statement of this shape, its extra parameters added to ``params``."""
+    """The claim statement of this shape among ``shapes``, its extra parameters added
+    to ``params``."""
+    anything, by_id, by_expected, by_id_expected = shapes
     if delivery_id is not None:
         params["delivery_id"] = delivery_id
     if expected is None:
-        return statements.CLAIM if delivery_id is None else statements.CLAIM_BY_ID
+        return anything if delivery_id is None else by_id
     params.update(
+        expected_community_id=expected.community_id,
+        expected_target_pubkey=expected.target_pubkey,
         workflow_id=expected.workflow_id,
         run_id=expected.run_id,
         step_id=expected.step_id,
@@ -128,8 +150,13 @@ def _claim(
         column, value = "cause_webhook_invocation_id", invocation_id
     params["cause_kind"] = kind
     params[column] = value
-    shapes = statements.CLAIM_EXPECTED if delivery_id is None else statements.CLAIM_BY_ID_EXPECTED
-    return shapes[column]
+    return (by_expected if delivery_id is None else by_id_expected)[column]
+
+
+def _expected(expected: object) -> DeliveryBinding | None:
+    if expected is not None and not isinstance(expected, DeliveryBinding):
+        raise ProtocolError("expected", "must be a DeliveryBinding")
+    return expected
 
 
 def claim_delivery(
@@ -148,11 +175,10 @@ def claim_delivery(
     seconds = checked_lease_seconds(lease_seconds)
     if delivery_id is not None:
         delivery_id = as_uuid("delivery_id", delivery_id)
-    if expected is not None:
-        if not isinstance(expected, DeliveryBinding):
-            raise ProtocolError("expected", "must be a DeliveryBinding")
-        if expected.community_id != community_id or expected.target_pubkey != target_pubkey:
-            return None
+    if _expected(expected) is not None and (
+        expected.community_id != community_id or expected.target_pubkey != target_pubkey
+    ):
+        return None
     params = {
         "community_id": community_id,
         "target_pubkey": target_pubkey,
@@ -231,14 +257,26 @@ def finish_delivery(
     its traceback: a failure for good, never retried."""
     params, outcome = _settle_params(lease, outcome, error)
     statement = statements.FINISH if error is None else statements.FAIL_WITH_ERROR
-    if run.fetch(using, statement, params):
-        counters.SETTLED[outcome.value].inc()
-        return Settled(outcome=outcome)
+    settled = run.fetch(using, statement, params)
+    if settled:
+        return _settle_result(outcome, settled[0][0], None)
     # Nothing settled: look at the row by the caller's full capability (same
     # generation), in a fresh statement so a concurrent settle is visible.
     seen = run.fetch(using, statements.STATUS_BY_CAPABILITY, params)
-    if seen and DeliveryStatus(seen[0][0]).is_terminal:
-        return AlreadyTerminal(status=DeliveryStatus(seen[0][0]))
+    return _settle_result(outcome, None, seen[0][0] if seen else None)
+
+
+def _settle_result(
+    outcome: Outcome, settled: str | None, seen: str | None
+) -> Settled | AlreadyTerminal | LeaseLost:
+    """What a settle answers, from the status it settled (None: nothing was) and the
+    status the lease's capability sees then: a terminal one is a retry of a settle
+    (``AlreadyTerminal``), anything else a lost lease."""
+    if settled is not None:
+        counters.SETTLED[outcome.value].inc()
+        return Settled(outcome=outcome)
+    if seen is not None and DeliveryStatus(seen).is_terminal:
+        return AlreadyTerminal(status=DeliveryStatus(seen))
     counters.LEASES_LOST.inc()
     return LeaseLost()
 
@@ -287,26 +325,29 @@ def finish_and_claim_next(
         else statements.FAIL_WITH_ERROR_AND_CLAIM_NEXT
     )
     ((settled, seen, *claimed),) = run.fetch(using, statement, params)
-    if settled is None:
-        if seen is not None and DeliveryStatus(seen).is_terminal:
-            return FinishedAndNext(result=AlreadyTerminal(status=DeliveryStatus(seen)))
-        counters.LEASES_LOST.inc()
-        return FinishedAndNext(result=LeaseLost())
-    counters.SETTLED[outcome.value].inc()
-    if claimed[0] is None:
-        return FinishedAndNext(result=Settled(outcome=outcome))
+    result = _settle_result(outcome, settled, seen)
+    if not isinstance(result, Settled) or claimed[0] is None:
+        return FinishedAndNext(result=result)
     counters.CLAIMS.inc()
     record = rows.record(claimed)
     return FinishedAndNext(
-        result=Settled(outcome=outcome),
-        next=(stored_lease(lease.community_id, next_target, record), record),
+        result=result, next=(stored_lease(lease.community_id, next_target, record), record)
     )
 
 
 # --- For the signed API: the same operations on a request admitted in their statement
+#
+# Each admits the request (the host's community, the key's standing, freshness, the
+# replay guard) and, once admitted, runs the operation on the signing key's leases in
+# the same statement (``statements.SERVED_*``), so in autocommit the replay row commits
+# with the operation or not at all. A request refused raises what
+# ``replay.admitted_community`` raises, and records and changes nothing. An operation
+# that finds the lease lost rolls the whole statement back, its replay row too, so an
+# honest retry is judged afresh.
 
 
 _RECORD = len(rows.RECORD_COLUMNS)
+_ADMISSION = 4
 
 
 def _claimed(community_id: UUID, target_pubkey: bytes, columns: tuple) -> Claimed | None:
@@ -323,21 +364,137 @@ def _claimed(community_id: UUID, target_pubkey: bytes, columns: tuple) -> Claime
     )
 
 
+def _run_admitted(
+    request: RequestEvent, statement: statements.Statement, params: dict[str, object], using: str
+) -> tuple[UUID, list[tuple]] | None:
+    """The admitting statement's community and rows, or the refusal of its request;
+    None when its operation refused (a lost lease: nothing was kept)."""
+    try:
+        answer = run.fetch(using, statement, params)
+    except ConstraintViolation as exc:
+        if exc.constraint != REQUEST_REFUSED:
+            raise
+        return None
+    return admitted_community(request, _stored_admission(*answer[0][:_ADMISSION])), answer
+
+
+def _claim_admitted(
+    request: RequestEvent,
+    params: dict[str, object],
+    statement: statements.Statement,
+    lease_seconds: int | None,
+    using: str,
+) -> tuple[UUID, list[Claimed]]:
+    params["lease_seconds"] = checked_lease_seconds(lease_seconds)
+    # A claim never refuses: a miss is a row of admission alone.
+    community_id, answer = _run_admitted(request, statement, params, using)  # type: ignore[misc]
+    pubkey = params["pubkey"]
+    claimed = [
+        found
+        for row in answer
+        if (found := _claimed(community_id, pubkey, row[_ADMISSION:])) is not None  # type: ignore[arg-type]
+    ]
+    # UPDATE … RETURNING has no order of its own; hand the rows out as picked.
+    claimed.sort(key=lambda item: (item.record.created_at, item.record.id))
+    return community_id, claimed
+
+
 def claim_admitted(
-    request: RequestEvent, *, lease_seconds: int | None = None, using: str = DEFAULT_DB_ALIAS
-) -> tuple[RequestAdmission, Claimed | None]:
-    """Admit ``request`` (the host's community, the key's standing, freshness, the
-    replay guard) and, once admitted, claim the key's oldest claimable delivery with
-    its message, in one statement: the request's admission and the claim or None.
-    A request refused records nothing and claims nothing."""
+    request: RequestEvent,
+    *,
+    delivery_id: UUID | str | None = None,
+    expected: DeliveryBinding | None = None,
+    lease_seconds: int | None = None,
+    using: str = DEFAULT_DB_ALIAS,
+) -> tuple[UUID, Claimed | None]:
+    """Admit ``request`` and claim, as ``claim_delivery`` does for the signing key (its
+    oldest claimable delivery, or exactly ``delivery_id``, or only one matching
+    ``expected``), in one statement: the community and the claim with its message,
+    or None on a miss."""
     params = _admission_params(request)
-    params.update(limit=1, lease_seconds=checked_lease_seconds(lease_seconds))
-    answer = run.fetch(using, statements.SERVED_CLAIM, params)
-    admission = _stored_admission(*answer[0][:4])
-    claimed = None
-    if admission.recorded:
-        claimed = _claimed(admission.community_id, params["pubkey"], answer[0][4:])
-    return admission, claimed
+    params["limit"] = 1
+    if delivery_id is not None:
+        delivery_id = as_uuid("delivery_id", delivery_id)
+    statement = _claim(params, delivery_id, _expected(expected), _SERVED_CLAIMS)
+    community_id, claimed = _claim_admitted(request, params, statement, lease_seconds, using)
+    return community_id, (claimed[0] if claimed else None)
+
+
+def claim_batch_admitted(
+    request: RequestEvent,
+    *,
+    limit: int,
+    lease_seconds: int | None = None,
+    using: str = DEFAULT_DB_ALIAS,
+) -> tuple[UUID, list[Claimed]]:
+    """Admit ``request`` and claim up to ``limit`` of the signing key's oldest
+    claimable deliveries, as ``claim_deliveries`` does, each with its message, in one
+    statement: the community and the claims, oldest first."""
+    if not is_whole_number(limit) or not 1 <= limit <= MAX_BATCH_SIZE:
+        raise ProtocolError(
+            "limit", f"must be a whole number from 1 to {MAX_BATCH_SIZE}, not {limit!r}"
+        )
+    params = _admission_params(request)
+    params["limit"] = limit
+    return _claim_admitted(request, params, statements.SERVED_CLAIM, lease_seconds, using)
+
+
+def _admitted_lease_params(
+    request: RequestEvent, delivery_id: UUID | str, generation: int
+) -> dict[str, object]:
+    """An admitting statement's parameters for the signing key's lease on
+    ``delivery_id`` at ``generation`` (checked as a ``Lease`` checks them)."""
+    params = _admission_params(request)
+    lease = Lease(
+        community_id=UUID(int=0),
+        delivery_id=as_uuid("delivery_id", delivery_id),
+        target_pubkey=params["pubkey"],  # type: ignore[arg-type]
+        generation=generation,
+        lease_until=_NO_TIME,
+    )
+    params.update(delivery_id=lease.delivery_id, generation=lease.generation)
+    return params
+
+
+def renew_admitted(
+    request: RequestEvent,
+    delivery_id: UUID | str,
+    generation: int,
+    *,
+    lease_seconds: int | None = None,
+    using: str = DEFAULT_DB_ALIAS,
+) -> Renewed | LeaseLost:
+    """Admit ``request`` and renew the signing key's lease (``delivery_id`` at
+    ``generation``) as ``renew_delivery`` does, in one statement; a lost lease keeps
+    nothing of the request."""
+    params = _admitted_lease_params(request, delivery_id, generation)
+    params["lease_seconds"] = checked_lease_seconds(lease_seconds)
+    answered = _run_admitted(request, statements.SERVED_RENEW, params, using)
+    if answered is None:
+        counters.LEASES_LOST.inc()
+        return LeaseLost()
+    return Renewed(lease_until=answered[1][0][_ADMISSION])
+
+
+def finish_admitted(
+    request: RequestEvent,
+    delivery_id: UUID | str,
+    generation: int,
+    outcome: Outcome | str,
+    *,
+    using: str = DEFAULT_DB_ALIAS,
+) -> Settled | AlreadyTerminal | LeaseLost:
+    """Admit ``request`` and settle the signing key's lease (``delivery_id`` at
+    ``generation``) once, as ``finish_delivery`` does, in one statement; a lost lease
+    keeps nothing of the request."""
+    params = _admitted_lease_params(request, delivery_id, generation)
+    outcome = _outcome(outcome)
+    params["outcome"] = outcome.value
+    answered = _run_admitted(request, statements.SERVED_FINISH, params, using)
+    if answered is None:
+        return _settle_result(outcome, None, None)
+    settled, seen = answered[1][0][_ADMISSION : _ADMISSION + 2]
+    return _settle_result(outcome, settled, seen)
 
 
 def claim_enrolled(
@@ -369,45 +526,24 @@ def finish_and_claim_next_admitted(
     *,
     lease_seconds: int | None = None,
     using: str = DEFAULT_DB_ALIAS,
-) -> tuple[RequestAdmission | None, FinishedAndNext]:
-    """Admit ``request`` and, once admitted, settle the signing key's lease
-    (``delivery_id`` at ``generation``) and claim the key's oldest claimable delivery
-    with its message (``FinishedAndNext.next`` a ``Claimed``), in one statement, as
-    ``finish_and_claim_next`` does. The admission is None when the request was
-    admitted and its lease was lost: the statement then rolled back, the replay row
-    too, so nothing of the request is kept and an honest retry is judged afresh."""
-    params = _admission_params(request)
-    lease = Lease(
-        community_id=UUID(int=0),
-        delivery_id=as_uuid("delivery_id", delivery_id),
-        target_pubkey=params["pubkey"],
-        generation=generation,
-        lease_until=_NO_TIME,
-    )
+) -> FinishedAndNext:
+    """Admit ``request`` and settle the signing key's lease (``delivery_id`` at
+    ``generation``) and claim the key's oldest claimable delivery with its message
+    (``FinishedAndNext.next`` a ``Claimed``), in one statement, as
+    ``finish_and_claim_next`` does; a lost lease keeps nothing of the request."""
+    params = _admitted_lease_params(request, delivery_id, generation)
     outcome = _outcome(outcome)
-    params.update(
-        delivery_id=lease.delivery_id,
-        generation=lease.generation,
-        outcome=outcome.value,
-        lease_seconds=checked_lease_seconds(lease_seconds),
-    )
-    try:
-        answer = run.fetch(using, statements.SERVED_FINISH_AND_CLAIM_NEXT, params)
-    except ConstraintViolation as exc:
-        if exc.constraint != REQUEST_REFUSED:
-            raise
-        counters.LEASES_LOST.inc()
-        return None, FinishedAndNext(result=LeaseLost())
+    params.update(outcome=outcome.value, lease_seconds=checked_lease_seconds(lease_seconds))
+    answered = _run_admitted(request, statements.SERVED_FINISH_AND_CLAIM_NEXT, params, using)
+    if answered is None:
+        return FinishedAndNext(result=_settle_result(outcome, None, None))
+    community_id, answer = answered
     row = answer[0]
-    admission = _stored_admission(*row[:4])
-    settled, seen = row[4], row[5]
-    if settled is None:
-        if not admission.recorded:
-            return admission, FinishedAndNext(result=LeaseLost())
-        return admission, FinishedAndNext(result=AlreadyTerminal(status=DeliveryStatus(seen)))
-    counters.SETTLED[outcome.value].inc()
-    claimed = _claimed(admission.community_id, params["pubkey"], row[7:])
-    return admission, FinishedAndNext(result=Settled(outcome=outcome), next=claimed)
+    result = _settle_result(outcome, row[_ADMISSION], row[_ADMISSION + 1])
+    if not isinstance(result, Settled):
+        return FinishedAndNext(result=result)
+    claimed = _claimed(community_id, params["pubkey"], row[_ADMISSION + 3 :])  # type: ignore[arg-type]
+    return FinishedAndNext(result=result, next=claimed)
 
 
 def finish_deliveries(
@@ -445,12 +581,8 @@ def finish_deliveries(
     answers = run.fetch(using, statements.FINISH_BATCH, dict(zip(names, columns, strict=True)))
     distinct: list[Settled | AlreadyTerminal | LeaseLost] = [LeaseLost()] * len(columns[0])
     for n, settled, status in answers:
-        if settled:
-            distinct[n - 1] = Settled(outcome=Outcome(columns[4][n - 1]))
-            counters.SETTLED[columns[4][n - 1]].inc()
-        elif status is not None and DeliveryStatus(status).is_terminal:
-            distinct[n - 1] = AlreadyTerminal(status=DeliveryStatus(status))
-    counters.LEASES_LOST.inc(sum(isinstance(result, LeaseLost) for result in distinct))
+        outcome = Outcome(columns[4][n - 1])
+        distinct[n - 1] = _settle_result(outcome, outcome.value if settled else None, status)
     results: list[Settled | AlreadyTerminal | LeaseLost] = []
     reported: set[int] = set()
     for slot in slots:

@@ -1,18 +1,30 @@
 """The signed HTTP API's request guard: admit a request event (the host's community,
 the caller's standing in its roster, the freshness window) and record it once, so a
-replayed request is refused; and the prune of guard rows past the window."""
+replayed request is refused; the refusal an admission calls for; and the prune of
+guard rows past the window."""
 
 from __future__ import annotations
 
+import logging
+import threading
+import time
 from uuid import UUID
 
 from django.db import DEFAULT_DB_ALIAS
 
 from ..conf import app_settings
-from ..exceptions import CommunityWriteFenced, ProtocolError
+from ..exceptions import (
+    AgentAuthRefused,
+    CommunityDeleting,
+    CommunityNotServed,
+    CommunityWriteFenced,
+    ProtocolError,
+)
 from ..protocol import AgentStanding, RequestAdmission, RequestEvent, as_bytes32, as_uuid
 from ..store import run, statements
 from ..validation import is_whole_number
+
+logger = logging.getLogger(__name__)
 
 
 def record_request_event(
@@ -75,17 +87,47 @@ def admit_request_event(
         "pubkey": pubkey,
         "event_id": event_id,
     }
-    ((community_id, fresh, recorded, standing),) = run.fetch(
-        using, statements.ADMIT_REQUEST_EVENT, params, savepoint=False
+    (row,) = run.fetch(using, statements.ADMIT_REQUEST_EVENT, params, savepoint=False)
+    return _stored_admission(*row)
+
+
+def admit(request: RequestEvent, *, using: str = DEFAULT_DB_ALIAS) -> UUID:
+    """The community ``request`` is admitted to (``admit_request_event``), or the
+    refusal its admission calls for (``admitted_community``)."""
+    if not isinstance(request, RequestEvent):
+        raise ProtocolError("request", f"must be a RequestEvent, not {type(request).__name__}")
+    admission = admit_request_event(
+        request.host, request.event_id, request.created_at, pubkey=request.pubkey, using=using
     )
-    deleting = standing == statements.ADMISSION_DELETING
-    return RequestAdmission(
-        community_id=community_id,
-        fresh=bool(fresh),
-        recorded=bool(recorded),
-        standing=None if standing is None or deleting else AgentStanding(standing),
-        deleting=deleting,
-    )
+    return admitted_community(request, admission)
+
+
+def admitted_community(request: RequestEvent, admission: RequestAdmission) -> UUID:
+    """The community of an admission that admitted ``request``, or the refusal it
+    calls for: ``CommunityNotServed`` (no community at the host), ``CommunityDeleting``,
+    or ``AgentAuthRefused`` (``auth_stale``, ``auth_unknown_agent``, ``auth_revoked``,
+    ``auth_replay``)."""
+    if admission.community_id is None:
+        raise CommunityNotServed(request.host)
+    if admission.deleting:
+        raise CommunityDeleting(admission.community_id)
+    if not admission.fresh:
+        skew = app_settings.API_MAX_CLOCK_SKEW_SECONDS
+        raise AgentAuthRefused(
+            "auth_stale", f"created_at must be within {skew} s of the server's clock"
+        )
+    key = bytes(request.pubkey).hex()
+    if admission.standing is None:
+        raise AgentAuthRefused(
+            "auth_unknown_agent", f"the key {key} is not an agent of this community"
+        )
+    if admission.standing is AgentStanding.REVOKED:
+        raise AgentAuthRefused(
+            "auth_revoked", f"the key {key} was revoked from this community's agents"
+        )
+    if not admission.recorded:
+        raise AgentAuthRefused("auth_replay", "this signed request was already used")
+    return admission.community_id
 
 
 def _admission_params(request: RequestEvent) -> dict[str, object]:
@@ -109,11 +151,13 @@ def _stored_admission(
     community_id: UUID | None, fresh: bool, recorded: bool, standing: str | None
 ) -> RequestAdmission:
     """The admission columns every admitting statement answers first."""
+    deleting = standing == statements.ADMISSION_DELETING
     return RequestAdmission(
         community_id=community_id,
         fresh=bool(fresh),
         recorded=bool(recorded),
-        standing=None if standing is None else AgentStanding(standing),
+        standing=None if standing is None or deleting else AgentStanding(standing),
+        deleting=deleting,
     )
 
 
@@ -144,3 +188,23 @@ def prune_replay_guard(
         if count < batch_size:
             break
     return total
+
+
+_prune_lock = threading.Lock()
+_pruned_at = time.monotonic()
+
+
+def prune_replay_guard_now_and_then() -> None:
+    """``prune_replay_guard`` from the request path: at most once per
+    ``WORKFLOW_DELIVERY_API_REPLAY_PRUNE_INTERVAL_SECONDS`` per process, a bounded
+    amount each time, outside the request's transaction."""
+    global _pruned_at
+    interval = app_settings.API_REPLAY_PRUNE_INTERVAL_SECONDS
+    if time.monotonic() - _pruned_at < interval or not _prune_lock.acquire(blocking=False):
+        return
+    try:
+        _pruned_at = time.monotonic()
+        deleted = prune_replay_guard(max_batches=4)
+        logger.debug("replay guard: pruned %s rows", deleted)
+    finally:
+        _prune_lock.release()

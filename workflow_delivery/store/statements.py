@@ -310,6 +310,8 @@ WITH {picked},
 # rules).
 _BY_ID = "\n       AND id = %(delivery_id)s"
 _EXPECTED = """
+       AND community_id = %(expected_community_id)s::uuid
+       AND target_pubkey = %(expected_target_pubkey)s::bytea
        AND workflow_id = %(workflow_id)s AND run_id = %(run_id)s AND step_id = %(step_id)s
        AND definition_event_id = %(definition_event_id)s
        AND message_event_id = %(message_event_id)s
@@ -334,56 +336,109 @@ _SETTLE = "finished_at = statement_timestamp(), lease_until = NULL, claimed_at =
 
 
 # The four conditions of a live lease: claimed, same generation, same target, not
-# expired, against each statement's own clock. Parameters: the lease's
-# ``delivery_id`` and ``generation``; the community and target are expressions (by
-# default the parameters ``community_id`` and ``target_pubkey``).
-def _lease(community: str = "%(community_id)s", target: str = "%(target_pubkey)s") -> str:
+# expired, against each statement's own clock: the one place the rule is written, for
+# every statement that acts on a lease (in-process, the API's, the batch's). The
+# lease's fields are expressions: by default the parameters ``community_id``,
+# ``delivery_id``, ``target_pubkey`` and ``generation``; ``row`` qualifies the
+# delivery row's columns (``"d."``) where another relation has columns of those names.
+def _lease(
+    community: str = "%(community_id)s",
+    target: str = "%(target_pubkey)s",
+    *,
+    delivery: str = "%(delivery_id)s",
+    generation: str = "%(generation)s",
+    row: str = "",
+) -> str:
+    """The capability: the lease's row at its generation, held by its target."""
     return f"""
-  community_id = {community} AND id = %(delivery_id)s
-  AND target_pubkey = {target} AND lease_generation = %(generation)s
+  {row}community_id = {community} AND {row}id = {delivery}
+  AND {row}target_pubkey = {target} AND {row}lease_generation = {generation}
 """
 
 
 def _live_lease_at_statement(
-    community: str = "%(community_id)s", target: str = "%(target_pubkey)s"
+    community: str = "%(community_id)s", target: str = "%(target_pubkey)s", **lease: str
 ) -> str:
-    return f"""{_lease(community, target)}
-  AND status = 'claimed' AND lease_until >= statement_timestamp()
+    """The capability, still claimed and not expired by the statement's clock."""
+    row = lease.get("row", "")
+    return f"""{_lease(community, target, **lease)}
+  AND {row}status = 'claimed' AND {row}lease_until >= statement_timestamp()
 """
 
 
-def _live_lease(community: str = "%(community_id)s", target: str = "%(target_pubkey)s") -> str:
+def _live_lease(
+    community: str = "%(community_id)s", target: str = "%(target_pubkey)s", **lease: str
+) -> str:
     """The same, and the community's shared deletion lock, taken before the row."""
-    return f"{_live_lease_at_statement(community, target)}  AND {entering_fence()}\n"
+    fence = entering_fence(lease.get("row", "") + "community_id")
+    return f"{_live_lease_at_statement(community, target, **lease)}  AND {fence}\n"
 
 
 _LEASE = _lease()
 _LIVE_LEASE_AT_STATEMENT = _live_lease_at_statement()
 _LIVE_LEASE = _live_lease()
 
-RENEW = Statement(f"""
-UPDATE {DELIVERIES}
-   SET lease_until = statement_timestamp() + make_interval(secs => %(lease_seconds)s)
- WHERE {_LIVE_LEASE}
-RETURNING lease_until
-""")
 
-FINISH = Statement(f"""
-UPDATE {DELIVERIES}
-   SET status = %(outcome)s, {_SETTLE}
- WHERE {_LIVE_LEASE}
-RETURNING status
-""")
+def _renew(community: str = "%(community_id)s", target: str = "%(target_pubkey)s") -> str:
+    """A live lease extended to ``lease_seconds`` from now; answers the new lease_until."""
+    return f"""UPDATE {DELIVERIES}
+   SET lease_until = statement_timestamp() + make_interval(secs => %(lease_seconds)s)
+ WHERE {_live_lease(community, target)}
+RETURNING lease_until"""
+
+
+def _settle(
+    community: str = "%(community_id)s", target: str = "%(target_pubkey)s", *, error: bool = False
+) -> str:
+    """A live lease settled once: ``outcome``, or with ``error`` failed with the
+    holder's error recorded (the ``note`` CTE must come first); answers the status."""
+    if error:
+        settle = f"status = 'failed', {_SETTLE}, {_RECORD_ERROR}\n  FROM note"
+    else:
+        settle = f"status = %(outcome)s, {_SETTLE}"
+    return f"""UPDATE {DELIVERIES} AS d
+   SET {settle}
+ WHERE {_live_lease(community, target)}
+RETURNING d.status"""
+
+
+def _seen(community: str, target: str, when: str, **lease: str) -> str:
+    """The status of the row the lease's full capability names, read once ``when``
+    holds (nothing was settled) with FOR SHARE: a locking read follows a concurrent
+    update to its latest committed version, so a retry of a settle sees its terminal
+    status where the statement's snapshot would show the row as it was before."""
+    capability = _lease(community, target, row="c.", **lease)
+    return f"(SELECT c.status FROM {DELIVERIES} AS c WHERE {when} AND {capability} FOR SHARE)"
+
+
+# The traceback of the error a statement records, for the timeline trigger
+# (``wd_record_delivery_transition``), which reads it only for rows whose error that
+# statement wrote. Set before any row is written; transaction-local, so in autocommit
+# it ends with the statement.
+_ERROR_NOTE = (
+    "note AS MATERIALIZED "
+    "(SELECT set_config('workflow_delivery.error_traceback', %(traceback)s, true) AS traceback)"
+)
+_RECORD_ERROR = (
+    "last_error_type = %(error_type)s, last_error_message = %(error_message)s, "
+    "last_error_at = statement_timestamp()"
+)
+
+RENEW = Statement(f"\n{_renew()}\n")
+
+FINISH = Statement(f"\n{_settle()}\n")
 
 # After a finish that settled nothing: the row as the caller's full capability sees it.
 STATUS_BY_CAPABILITY = Statement(f"SELECT status FROM {DELIVERIES} WHERE {_LEASE}")
 
 # Batch finish: the leases arrive as parallel arrays (community, id, target,
 # generation, outcome), one element per distinct capability. Each row settles under
-# the same four conditions as FINISH. For a capability that settled nothing, the
-# row as that capability sees it is read with FOR SHARE: a locking read follows a
-# concurrent update to its latest committed version (as FINISH's follow-up statement
-# sees it), where the statement's snapshot would show the row as it was before.
+# the live-lease rule as FINISH's; for a capability that settled nothing, the row as
+# that capability sees it (``_seen``).
+_BATCH_LEASE = {
+    "delivery": "l.id",
+    "generation": "l.lease_generation",
+}
 FINISH_BATCH = Statement(f"""
 WITH leases AS (
     SELECT * FROM unnest(%(community_ids)s::uuid[], %(delivery_ids)s::uuid[],
@@ -393,35 +448,15 @@ WITH leases AS (
 ),
 settled AS (
     UPDATE {DELIVERIES} AS d
-       SET status = l.outcome,
-           finished_at = statement_timestamp(), lease_until = NULL, claimed_at = NULL
+       SET status = l.outcome, {_SETTLE}
       FROM leases AS l
-     WHERE d.community_id = l.community_id AND d.id = l.id
-       AND d.target_pubkey = l.target_pubkey AND d.lease_generation = l.lease_generation
-       AND d.status = 'claimed' AND d.lease_until >= statement_timestamp()
-       AND {entering_fence("d.community_id")}
+     WHERE {_live_lease("l.community_id", "l.target_pubkey", row="d.", **_BATCH_LEASE)}
     RETURNING l.n
 )
 SELECT l.n, s.n IS NOT NULL,
-       (SELECT c.status FROM {DELIVERIES} AS c
-         WHERE s.n IS NULL
-           AND c.community_id = l.community_id AND c.id = l.id
-           AND c.target_pubkey = l.target_pubkey AND c.lease_generation = l.lease_generation
-           FOR SHARE)
+       {_seen("l.community_id", "l.target_pubkey", "s.n IS NULL", **_BATCH_LEASE)}
   FROM leases AS l LEFT JOIN settled AS s ON s.n = l.n
 """)
-
-# The traceback of the error a statement records, for the timeline trigger (migration
-# 0014), which reads it only for rows whose error that statement wrote. Set before any
-# row is written; transaction-local, so in autocommit it ends with the statement.
-_ERROR_NOTE = (
-    "note AS MATERIALIZED "
-    "(SELECT set_config('workflow_delivery.error_traceback', %(traceback)s, true) AS traceback)"
-)
-_RECORD_ERROR = (
-    "last_error_type = %(error_type)s, last_error_message = %(error_message)s, "
-    "last_error_at = statement_timestamp()"
-)
 
 # A holder's failed attempt, in one statement under the four conditions of a live
 # lease: back to pending with the fence bumped, the error kept, and no claim before
@@ -453,11 +488,7 @@ RETURNING d.status, d.available_at, d.attempts
 # A holder's own failure, with its error: FINISH's settle, recording the error too.
 FAIL_WITH_ERROR = Statement(f"""
 WITH {_ERROR_NOTE}
-UPDATE {DELIVERIES} AS d
-   SET status = 'failed', {_SETTLE}, {_RECORD_ERROR}
-  FROM note
- WHERE {_LIVE_LEASE}
-RETURNING d.status
+{_settle(error=True)}
 """)
 
 
@@ -470,16 +501,9 @@ RETURNING d.status
 # is claimed next; ``error`` settles failed and records the holder's error (the
 # ``note`` CTE must come first).
 def _settle_and_claim(community: str, target: str, next_target: str, *, error: bool) -> str:
-    if error:
-        settle = f"status = 'failed', {_SETTLE}, {_RECORD_ERROR}\n  FROM note"
-    else:
-        settle = f"status = %(outcome)s, {_SETTLE}"
     gate = "EXISTS (SELECT 1 FROM settled) AND "
     return f"""settled AS (
-    UPDATE {DELIVERIES} AS d
-       SET {settle}
-     WHERE {_live_lease(community, target)}
-    RETURNING d.status
+{_settle(community, target, error=error)}
 ),
 {_picked(community, next_target, gate=gate)},
 {_STAMP},
@@ -503,7 +527,7 @@ def _finish_and_claim_next(*, error: bool) -> Statement:
     return Statement(f"""
 WITH {note}{operation}
 SELECT s.status,
-       (SELECT c.status FROM {DELIVERIES} AS c WHERE s.status IS NULL AND {_LEASE} FOR SHARE),
+       {_seen("%(community_id)s", "%(target_pubkey)s", "s.status IS NULL")},
        {record}
   FROM (SELECT 1) AS one
   LEFT JOIN settled AS s ON true
@@ -532,8 +556,7 @@ RETURNING d.id
 # on the row as that locker left it (a reap or release bumped the generation: no
 # row), but against this statement's start.
 HOLD_LOCK = Statement(f"""
-SELECT lease_until FROM {DELIVERIES} WHERE {_LIVE_LEASE_AT_STATEMENT} AND {entering_fence()}
-   FOR UPDATE
+SELECT lease_until FROM {DELIVERIES} WHERE {_LIVE_LEASE}   FOR UPDATE
 """)
 
 # Asked once the lock is ours, and again before an unfinished block commits: the
@@ -1029,14 +1052,16 @@ SELECT (SELECT id FROM community), clock.fresh, EXISTS (SELECT 1 FROM recorded),
 
 
 # The agent API's requests, each admitted and served by one statement in autocommit
-# (``api.served``): ADMIT_REQUEST_EVENT's look-ups, freshness and replay guard, then
-# the operation, which runs only on the community the replay row was recorded for
-# (nothing when the request was not admitted). The statement is its own transaction,
-# so the replay row commits with the operation or not at all; an operation that
-# refuses calls wd_refuse_request (migration 0018), whose error (``REQUEST_REFUSED``)
-# rolls back both. Parameters: the admission's, then the operation's. Every answer
-# row starts with the admission (community id or NULL, fresh, recorded, standing or
-# NULL).
+# (``services.holder``'s ``*_admitted`` functions): ADMIT_REQUEST_EVENT's look-ups,
+# freshness and replay guard, then the holder's operation, built from the same
+# fragments as the in-process one (``_picked``, ``_renew``, ``_settle``, ``_seen``),
+# on the community the replay row was recorded for, the caller's key as the target
+# (nothing runs when the request was not admitted). The statement is its own
+# transaction, so the replay row commits with the operation or not at all; an
+# operation that refuses calls wd_refuse_request (``_REFUSE``), whose error
+# (``REQUEST_REFUSED``) rolls back both. Parameters: the admission's, then the
+# operation's. Every answer row starts with the admission (community id or NULL,
+# fresh, recorded, standing or NULL).
 def _admitted(operation: str, answer: str) -> Statement:
     return Statement(f"""{_ADMISSION_CTES}, admission AS (
     SELECT (SELECT id FROM community) AS community_id, clock.fresh,
@@ -1048,122 +1073,96 @@ def _admitted(operation: str, answer: str) -> Statement:
 
 
 _ADMISSION = "a.community_id, a.fresh, a.recorded, a.standing"
+_ADMITTED_COMMUNITY = "(SELECT community_id FROM recorded)"
+_CALLER = "%(pubkey)s"
 # Raises ``errors.REQUEST_REFUSED``: the request's statement rolls back as a whole.
 _REFUSE = "wd_refuse_request('lease_lost')"
 
-# Claim up to ``limit`` of the caller's oldest claimable deliveries (CLAIM_BATCH's
-# claim, the caller's key as the target; a limit of 1 is the single claim), each
-# answered with its record and its message event (the event's columns NULL when the
-# event is not stored); one row of admission alone when nothing was claimed.
-# Parameters after the admission's: ``limit``, ``lease_seconds``.
-SERVED_CLAIM = _admitted(
-    f"""picked AS (
-    SELECT id FROM {DELIVERIES}
-     WHERE community_id = (SELECT community_id FROM recorded) AND target_pubkey = %(pubkey)s
-       AND status = 'pending'
-       AND (available_at IS NULL OR available_at <= statement_timestamp())
-       AND {entering_fence_once("(SELECT community_id FROM recorded)")}
-     ORDER BY created_at, id
-     LIMIT %(limit)s
-     FOR UPDATE SKIP LOCKED
-),
+# A claimed row ``n``'s record and its message event (the event's columns NULL when
+# the event is not stored), read as ``protocol.stored_message`` takes them.
+_CLAIMED_RECORD = ", ".join(f"n.{_q(column)}" for column in RECORD_COLUMNS)
+_MESSAGE_COLUMNS = (
+    "e.id, e.created_at, e.pubkey, e.kind, e.tags::text, e.content, e.content_json IS NOT NULL"
+)
+_MESSAGE_OF_CLAIMED = f"""LEFT JOIN {EVENTS} AS e
+    ON e.community_id = n.community_id AND e.created_at = n.message_event_created_at
+   AND e.id = n.message_event_id"""
+
+
+# A settle's answer on an admitted request: the status settled, and for a lease that
+# settled nothing the row as the caller's capability sees it (``_seen``). A terminal
+# row answers its status (a retry of a settle); anything else refuses (``lease_lost``).
+_SERVED_SEEN = f"""seen AS (
+    SELECT a.recorded, s.status AS settled,
+           {_seen("a.community_id", _CALLER, "a.recorded AND s.status IS NULL")} AS status
+      FROM admission AS a LEFT JOIN settled AS s ON true
+)"""
+_REFUSE_UNLESS_SETTLED = f"""CASE WHEN seen.recorded AND seen.settled IS NULL
+                 AND (seen.status IS NULL OR seen.status NOT IN ('finished', 'failed'))
+            THEN {_REFUSE} END"""
+
+
+def _served_claim(match: str = "", limit: str = "%(limit)s") -> Statement:
+    """The holder's claim (``_claim``) of the caller's oldest claimable deliveries that
+    meet ``match``, up to ``limit``, each answered with its record and its message;
+    one row of admission alone when nothing was claimed. Parameters after the
+    admission's: ``lease_seconds``, ``limit`` and ``match``'s."""
+    return _admitted(
+        f"""{_picked(_ADMITTED_COMMUNITY, _CALLER, match, limit)},
 {_STAMP},
 claimed AS ({_CLAIM_PICKED}
 )""",
-    f"""SELECT {_ADMISSION}, {", ".join(f"c.{_q(column)}" for column in RECORD_COLUMNS)},
-       e.id, e.created_at, e.pubkey, e.kind, e.tags::text, e.content,
-       e.content_json IS NOT NULL
+        f"""SELECT {_ADMISSION}, {_CLAIMED_RECORD}, {_MESSAGE_COLUMNS}
   FROM admission AS a
-  LEFT JOIN claimed AS c ON true
-  LEFT JOIN {EVENTS} AS e
-    ON e.community_id = c.community_id AND e.created_at = c.message_event_created_at
-   AND e.id = c.message_event_id""",
-)
+  LEFT JOIN claimed AS n ON true
+  {_MESSAGE_OF_CLAIMED}""",
+    )
 
-# A live lease's four conditions on the community the request was admitted to, held
-# by the caller's key.
-_SERVED_LEASE = f"""
-  community_id = (SELECT community_id FROM recorded) AND id = %(delivery_id)s
-  AND target_pubkey = %(pubkey)s AND lease_generation = %(generation)s
-  AND status = 'claimed' AND lease_until >= statement_timestamp()
-  AND {entering_fence()}
-"""
 
-# Renew a live lease; a lost one refuses (``lease_lost``). Parameters after the
-# admission's: ``lease_seconds``, ``delivery_id``, ``generation``. Answers the
-# admission and the new lease_until.
+# The claim in the holder's shapes (CLAIM_BATCH's with a limit, a limit of 1 being the
+# single claim; CLAIM_BY_ID's; CLAIM_EXPECTED's and CLAIM_BY_ID_EXPECTED's by cause).
+SERVED_CLAIM = _served_claim()
+SERVED_CLAIM_BY_ID = _served_claim(_BY_ID, limit="1")
+SERVED_CLAIM_EXPECTED = {
+    cause: _served_claim(_EXPECTED.format(cause=cause), limit="1") for cause in _CAUSES
+}
+SERVED_CLAIM_BY_ID_EXPECTED = {
+    cause: _served_claim(_BY_ID + _EXPECTED.format(cause=cause), limit="1") for cause in _CAUSES
+}
+
+# Renew the caller's live lease (RENEW); a lost one refuses (``lease_lost``).
+# Parameters after the admission's: ``lease_seconds``, ``delivery_id``,
+# ``generation``. Answers the admission and the new lease_until.
 SERVED_RENEW = _admitted(
     f"""renewed AS (
-    UPDATE {DELIVERIES}
-       SET lease_until = statement_timestamp() + make_interval(secs => %(lease_seconds)s)
-     WHERE {_SERVED_LEASE}
-    RETURNING lease_until
+{_renew(_ADMITTED_COMMUNITY, _CALLER)}
 )""",
     f"""SELECT {_ADMISSION}, r.lease_until,
        CASE WHEN a.recorded AND r.lease_until IS NULL THEN {_REFUSE} END
   FROM admission AS a LEFT JOIN renewed AS r ON true""",
 )
 
-# Settle a live lease once (FINISH). For a lease that settled nothing the row as the
-# caller's capability sees it is read with FOR SHARE (the latest committed version,
-# as FINISH_BATCH reads it): a terminal row answers its status (a retry of a settle),
-# anything else refuses (``lease_lost``). Parameters after the admission's:
-# ``outcome``, ``delivery_id``, ``generation``. Answers the admission, the settled
-# status, the status seen.
+# Settle the caller's live lease once (FINISH), answered as ``_SERVED_SEEN``.
+# Parameters after the admission's: ``outcome``, ``delivery_id``, ``generation``.
+# Answers the admission, the settled status, the status seen.
 SERVED_FINISH = _admitted(
     f"""settled AS (
-    UPDATE {DELIVERIES}
-       SET status = %(outcome)s, {_SETTLE}
-     WHERE {_SERVED_LEASE}
-    RETURNING status
-), seen AS (
-    SELECT a.recorded, s.status AS settled,
-           (SELECT c.status FROM {DELIVERIES} AS c
-             WHERE a.recorded AND s.status IS NULL
-               AND c.community_id = a.community_id AND c.id = %(delivery_id)s
-               AND c.target_pubkey = %(pubkey)s AND c.lease_generation = %(generation)s
-               FOR SHARE) AS status
-      FROM admission AS a LEFT JOIN settled AS s ON true
-)""",
-    f"""SELECT {_ADMISSION}, seen.settled, seen.status,
-       CASE WHEN seen.recorded AND seen.settled IS NULL
-                 AND (seen.status IS NULL OR seen.status NOT IN ('finished', 'failed'))
-            THEN {_REFUSE} END
+{_settle(_ADMITTED_COMMUNITY, _CALLER)}
+), {_SERVED_SEEN}""",
+    f"""SELECT {_ADMISSION}, seen.settled, seen.status, {_REFUSE_UNLESS_SETTLED}
   FROM admission AS a, seen""",
 )
 
-
-# The message event of a claimed row ``n`` (the event's columns NULL when the event is
-# not stored), as SERVED_CLAIM answers it.
-_MESSAGE_COLUMNS = "e.id, e.created_at, e.pubkey, e.kind, e.tags::text, e.content"
-_MESSAGE_OF_CLAIMED = f"""LEFT JOIN {EVENTS} AS e
-    ON e.community_id = n.community_id AND e.created_at = n.message_event_created_at
-   AND e.id = n.message_event_id"""
-_CLAIMED_RECORD = ", ".join(f"n.{_q(column)}" for column in RECORD_COLUMNS)
-
 # Settle the caller's live lease once and claim the caller's oldest claimable
-# delivery with it: the holder's settle-and-claim (``_settle_and_claim``) on the
-# community the request was admitted to, the caller's key as the lease's target and
-# the next one's. As SERVED_FINISH: for a lease that settled nothing the row as the
-# caller's capability sees it is read FOR SHARE; a terminal row answers its status
-# (and claims nothing), anything else refuses (``lease_lost``). Parameters after the
-# admission's: ``outcome``, ``delivery_id``, ``generation``, ``lease_seconds``.
+# delivery with it: the holder's settle-and-claim (``_settle_and_claim``), answered
+# as SERVED_FINISH (a settle that did not happen claims nothing). Parameters after
+# the admission's: ``outcome``, ``delivery_id``, ``generation``, ``lease_seconds``.
 # Answers the admission, the settled status, the status seen, the refusal's column,
 # then the claimed record and its message (NULL when nothing was claimed).
-_ADMITTED_COMMUNITY = "(SELECT community_id FROM recorded)"
 SERVED_FINISH_AND_CLAIM_NEXT = _admitted(
-    f"""{_settle_and_claim(_ADMITTED_COMMUNITY, "%(pubkey)s", "%(pubkey)s", error=False)},
-seen AS (
-    SELECT a.recorded, s.status AS settled,
-           (SELECT c.status FROM {DELIVERIES} AS c
-             WHERE a.recorded AND s.status IS NULL AND {_lease("a.community_id", "%(pubkey)s")}
-               FOR SHARE) AS status
-      FROM admission AS a LEFT JOIN settled AS s ON true
-)""",
-    f"""SELECT {_ADMISSION}, seen.settled, seen.status,
-       CASE WHEN seen.recorded AND seen.settled IS NULL
-                 AND (seen.status IS NULL OR seen.status NOT IN ('finished', 'failed'))
-            THEN {_REFUSE} END,
+    f"""{_settle_and_claim(_ADMITTED_COMMUNITY, _CALLER, _CALLER, error=False)},
+{_SERVED_SEEN}""",
+    f"""SELECT {_ADMISSION}, seen.settled, seen.status, {_REFUSE_UNLESS_SETTLED},
        {_CLAIMED_RECORD}, {_MESSAGE_COLUMNS}
   FROM admission AS a CROSS JOIN seen
   LEFT JOIN claimed AS n ON true

@@ -1,0 +1,57 @@
+"""A request's database connection: the health check made before a request's first
+statement, and the connection of a waiting request, released while it waits and
+bounded while it works (the wait gate)."""
+
+from __future__ import annotations
+
+import select
+import threading
+from typing import Any
+
+from django.db import DEFAULT_DB_ALIAS, connections
+
+from .asgi import on_pooled_thread
+
+
+def _usable(raw: Any) -> bool:
+    """Whether an idle connection can take a statement, judged without a round trip:
+    not closed or broken, and nothing waiting to be read on its socket (an idle
+    session in autocommit is sent nothing unasked, so anything readable is the end
+    of the session: the server's goodbye or the socket's EOF)."""
+    if getattr(raw, "closed", True) or getattr(raw, "broken", False):
+        return False
+    try:
+        readable, _, _ = select.select([raw.fileno()], [], [], 0)
+    except (OSError, ValueError):
+        return False
+    return not readable
+
+
+def check_connection(using: str = DEFAULT_DB_ALIAS) -> None:
+    """Django's per-request health check (``CONN_HEALTH_CHECKS``) made without its
+    ``SELECT 1``: a reused connection found unusable is closed, and the next
+    statement opens a new one. Before a transaction begins, so a dead session is
+    never the one its BEGIN is sent on."""
+    wrapper = connections[using]
+    if not wrapper.health_check_enabled or wrapper.health_check_done:
+        return
+    raw = wrapper.connection
+    if raw is not None and not wrapper.in_atomic_block and not _usable(raw):
+        wrapper.close()
+    wrapper.health_check_done = True
+
+
+# Waits are many and long, their database work short: this bounds how many waits of
+# one process use a connection at once, so a crowd of waiters can never take all of
+# the server's connections (claims, renews and finishes are not gated).
+wait_gate = threading.BoundedSemaphore(4)
+
+
+def release_connection() -> None:
+    """Close this thread's connection unless a transaction holds it: a waiting request
+    needs none while it waits (CONN_MAX_AGE would otherwise keep it until the end).
+    A pooled thread's connection stays: the thread's other requests use it
+    (``asgi.PooledThreadsHandler``), and there are only so many such threads."""
+    connection = connections[DEFAULT_DB_ALIAS]
+    if not connection.in_atomic_block and not on_pooled_thread():
+        connection.close()
