@@ -289,7 +289,10 @@ def seed_deliveries(
 
 
 def truncate_deliveries(conn: psycopg.Connection) -> None:
-    conn.execute("TRUNCATE workflow_delivery_timeline, workflow_agent_deliveries")
+    conn.execute(
+        "TRUNCATE workflow_delivery_agent_turns, workflow_delivery_timeline,"
+        " workflow_agent_deliveries"
+    )
 
 
 # Terminal rows a producer phase starts beside: enough for ANALYZE to know the table.

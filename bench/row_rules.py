@@ -23,6 +23,7 @@ from tqdm import tqdm
 from bench import common
 
 TABLE = "workflow_agent_deliveries"
+TURNS_TABLE = "workflow_delivery_agent_turns"
 FOREIGN_KEYS = """
 SELECT conname, pg_get_constraintdef(oid) FROM pg_constraint
  WHERE conrelid = 'workflow_agent_deliveries'::regclass AND contype = 'f'
@@ -60,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
         targets = [n.to_bytes(32, "big") for n in range(args.targets)]
 
         def run(label: str, conn) -> float:
-            conn.execute(f"TRUNCATE {TABLE}, workflow_delivery_timeline")
+            conn.execute(f"TRUNCATE {TABLE}, workflow_delivery_timeline, {TURNS_TABLE}")
             started = time.perf_counter()
             for step in tqdm(range(args.steps), desc=label, leave=False):
                 step_id = f"{label}-{step}"
