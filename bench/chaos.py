@@ -2,7 +2,7 @@
 
     python bench/chaos.py [--agents 8] [--seconds 60] [--lease 3] [--deliveries 1500]
                           [--database-url URL] [--allow-restart] [--consumers]
-                          [--failover N [--async]] [--json FILE]
+                          [--failover N [--async]] [--http-agents N] [--json FILE]
 
 Producers commit steps with several targets through ``services.delivery_identity``; agents
 claim, renew at a third of the lease and settle; the reaper returns expired leases. Meanwhile
@@ -34,6 +34,14 @@ promoted. The lost node then rejoins as the standby. The check adds what the cli
 acknowledged and the surviving primary lacks, and the seconds from each loss to the first
 settle acknowledged after it. ``--async`` runs it on asynchronous replication, to count
 what that loses. ``--json FILE`` writes the figures as JSON.
+
+With ``--http-agents N`` (4 by default with ``--failover``) the demo project is served by
+uvicorn and by gunicorn over the run's URL, and N agents of the signed HTTP API, half
+through each server, claim and finish deliveries addressed to their own keys, journaled
+and checked like the others' (without an effect row). After each loss of the primary the
+harness logs in to the admin and makes a signed read through each server until both
+answer; the summary adds the HTTP requests, those not answered in time (hung), and these
+probes.
 """
 
 from __future__ import annotations
