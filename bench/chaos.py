@@ -2,7 +2,7 @@
 
     python bench/chaos.py [--agents 8] [--seconds 60] [--lease 3] [--deliveries 1500]
                           [--database-url URL] [--allow-restart] [--consumers]
-                          [--failover N [--async]] [--json FILE]
+                          [--failover N [--async]] [--http-agents N] [--json FILE]
 
 Producers commit steps with several targets through ``services.delivery_identity``; agents
 claim, renew at a third of the lease and settle; the reaper returns expired leases. Meanwhile
@@ -34,14 +34,25 @@ promoted. The lost node then rejoins as the standby. The check adds what the cli
 acknowledged and the surviving primary lacks, and the seconds from each loss to the first
 settle acknowledged after it. ``--async`` runs it on asynchronous replication, to count
 what that loses. ``--json FILE`` writes the figures as JSON.
+
+With ``--http-agents N`` (4 by default with ``--failover``) the demo project is served by
+uvicorn and by gunicorn over the run's URL, and N agents of the signed HTTP API, half
+through each server, claim and finish deliveries addressed to their own keys, journaled
+and checked like the others' (without an effect row). After each loss of the primary the
+harness logs in to the admin and makes a signed read through each server until both
+answer; the summary adds the HTTP requests, those not answered in time (hung), and these
+probes.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import http.cookiejar
 import json
 import os
 import random
+import re
 import shutil
 import signal
 import subprocess
@@ -49,9 +60,13 @@ import sys
 import tempfile
 import threading
 import time
+import urllib.error
+import urllib.request
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from urllib.parse import urlencode, urlsplit
 
 ROOT = Path(__file__).resolve().parent.parent
 STOP = threading.Event()
@@ -60,6 +75,7 @@ if str(ROOT) not in sys.path:
 
 import psycopg  # noqa: E402
 
+from bench import common  # noqa: E402
 from bench.chaos_check import ChaosReport, check  # noqa: E402
 from bench.chaos_journal import Held, Journal, last_holding, read_all  # noqa: E402
 from bench.chaos_server import ChaosServer, HaTopology, connect  # noqa: E402
@@ -70,6 +86,12 @@ REAP_COMMAND = ROOT / "workflow_delivery" / "management" / "commands" / "reap_de
 DROP_ROLES = ["agent", "producer", "reaper"]
 # Seconds of planned work a holder must have left to be chosen for a stall.
 STALL_MARGIN = 0.3
+# The superuser who checks the admin after each loss of the primary.
+ADMIN_USER = "chaos-admin"
+# Seconds a probe request after a loss of the primary may take, and how long the probe
+# tries before it counts the server as not recovered.
+PROBE_BOUND = 30.0
+PROBE_LIMIT = 60.0
 
 
 @dataclass
@@ -97,6 +119,10 @@ class ChaosConfig:
     consumer_poll: float = 1.0
     # Holders that hang inside holding() past their lease while the reaper runs.
     stuck_holders: int = 1
+    # Agents of the signed HTTP API, half through uvicorn and half through gunicorn
+    # (None: 4 with --failover, else none).
+    http_agents: int | None = None
+    http_idle_poll: float = 0.25
     # Losses of the primary of scripts/ha's cluster (0: a single server as above).
     failover: int = 0
     asynchronous: bool = False
@@ -114,6 +140,8 @@ class ChaosConfig:
                 self.drops = 0
             if self.stalls is None:
                 self.stalls = 0
+        if self.http_agents is None:
+            self.http_agents = 4 if self.failover else 0
         if self.kills is None:
             self.kills = max(1, int(self.seconds // 10))
         if self.stalls is None:
@@ -183,7 +211,7 @@ class Fleet:
             if process.pid not in self.killed and code != 0:
                 self.crashes.append(f"{role}-{index} (pid {process.pid}) exited with {code}")
                 self.killed.add(process.pid)
-            if respawn and role in ("agent", "reaper"):
+            if respawn and role in ("agent", "reaper", "http"):
                 self.spawn(role, index)
 
     def stop(self, roles: list[str], timeout: float) -> None:
@@ -208,18 +236,30 @@ class Fleet:
 
 
 class Harness:
-    def __init__(self, config: ChaosConfig, server: ChaosServer, run_dir: Path) -> None:
+    def __init__(
+        self,
+        config: ChaosConfig,
+        server: ChaosServer,
+        run_dir: Path,
+        http_servers: dict[str, str] | None = None,
+    ) -> None:
         self.config = config
+        self.http_servers = http_servers or {}
+        self.admin_password = ""
         self.server = server
         self.rng = random.Random(config.seed)
         (run_dir / "journals").mkdir()
-        (run_dir / "logs").mkdir()
+        (run_dir / "logs").mkdir(exist_ok=True)
         self.journal_dir = run_dir / "journals"
         self.journal = Journal(self.journal_dir / f"harness-0-{os.getpid()}.jsonl", role="harness")
         self.communities = [
             {"id": str(uuid.uuid4()), "workflow_id": str(uuid.uuid4())}
             for _ in range(config.producers)
         ]
+        for index, tenant in enumerate(self.communities):
+            tenant["host"] = f"chaos-{index}-{tenant['id'][:8]}.example"
+        # Two keys, each served through both servers when there are HTTP agents.
+        self.http_secrets = [os.urandom(32).hex() for _ in range(2 if self.http_servers else 0)]
         worker_config = {
             "database_url": server.url,
             "journal_dir": str(self.journal_dir),
@@ -241,6 +281,9 @@ class Harness:
             "deletion_after": 0.15 * config.seconds,
             # After the restart at the middle of the window, so the hang rarely meets it.
             "stuck_after": 0.55 * config.seconds,
+            "http_servers": [{"name": n, "url": u} for n, u in self.http_servers.items()],
+            "http_secrets": self.http_secrets,
+            "http_idle_poll": config.http_idle_poll,
         }
         config_path = run_dir / "config.json"
         config_path.write_text(json.dumps(worker_config))
@@ -253,6 +296,11 @@ class Harness:
         # their stale renew and finish are what the stall is for, so no later fault
         # picks them (a kill between the two left a run with no stale finish at all).
         self.released: set[int] = set()
+
+    def http_targets(self) -> list[bytes]:
+        from workflow_delivery import keys
+
+        return [keys.public_key_bytes(bytes.fromhex(key)) for key in self.http_secrets]
 
     # -- faults ---------------------------------------------------------------------------
 
@@ -375,6 +423,46 @@ class Harness:
             self.journal.write("failover_error", kind=kind, error=str(exc)[:500])
             return
         self.journal.write("failover", **vars(event))
+        for name, url in self.http_servers.items():
+            self.probe_server(name, url, event.killed_at)
+
+    def probe_server(self, name: str, url: str, lost_at: float) -> None:
+        """After a loss of the primary: the admin (a superuser logs in and lists the
+        deliveries) and a signed API read, through one server, each tried until it
+        answers as it should; journals the first answer and the seconds it took."""
+        admin = _until_ok(lambda: admin_answers(url, ADMIN_USER, self.admin_password))
+        api = _until_ok(lambda: self._api_answers(url))
+        self.journal.write(
+            "probe",
+            server=name,
+            since_loss=round(time.time() - lost_at, 2),
+            admin_first=admin[0],
+            admin_seconds=admin[1],
+            api_first=api[0],
+            api_seconds=api[1],
+        )
+
+    def _api_answers(self, url: str) -> str:
+        from workflow_delivery.client import AgentClient
+        from workflow_delivery.exceptions import AgentApiError
+
+        port = int(url.rsplit(":", 1)[1])
+        tenant = self.communities[0]
+        client = AgentClient(
+            f"http://{tenant['host']}/agents/",
+            self.http_secrets[0],
+            timeout=PROBE_BOUND,
+            connect_to=("127.0.0.1", port),
+        )
+        try:
+            # A delivery no one has: 404 not_found once the roster could be read.
+            return "ok" if client.get(uuid.uuid4()) is None else "found"
+        except AgentApiError as exc:
+            return f"{exc.status} {exc.code}"
+        except OSError as exc:
+            return type(exc).__name__
+        finally:
+            client.close()
 
     def restart_database(self) -> None:
         self.journal.write("restart_begin")
@@ -406,6 +494,8 @@ class Harness:
         self.fleet.spawn("reaper", 0)
         for index in range(config.agents):
             self.fleet.spawn("agent", index)
+        for index in range(config.http_agents if self.http_servers else 0):
+            self.fleet.spawn("http", index)
         for index in range(config.producers):
             self.fleet.spawn("producer", index)
         if config.huge_step_targets:
@@ -417,7 +507,8 @@ class Harness:
         drops = 0
         while pending or time.monotonic() - started < config.seconds:
             if STOP.is_set():
-                self.fleet.stop(["producer", "deleter", "stuck", "agent", "reaper"], timeout=10)
+                roles = ["producer", "deleter", "stuck", "agent", "http", "reaper"]
+                self.fleet.stop(roles, timeout=10)
                 return
             self.fleet.supervise(respawn=True)
             elapsed = time.monotonic() - started
@@ -473,7 +564,7 @@ class Harness:
                 break
             time.sleep(0.2)
         self.release_stalls(force=True)
-        self.fleet.stop(["agent", "reaper"], timeout=3 * config.lease + 30)
+        self.fleet.stop(["agent", "http", "reaper"], timeout=3 * config.lease + 30)
 
     def _all_settled(self) -> bool:
         committed = {
@@ -494,6 +585,71 @@ class Harness:
         except psycopg.OperationalError:
             return False
         return committed <= settled
+
+
+def _until_ok(probe: Callable[[], str]) -> tuple[str, float | None]:
+    """Ask ``probe`` until it answers "ok" (every PROBE_LIMIT seconds at most): its
+    first answer, and the seconds until "ok" (None when it never came)."""
+    started = time.monotonic()
+    first = None
+    while True:
+        answer = probe()
+        first = first or answer
+        if answer == "ok":
+            return first, round(time.monotonic() - started, 2)
+        if time.monotonic() - started > PROBE_LIMIT:
+            return first, None
+        time.sleep(0.5)
+
+
+def admin_answers(url: str, user: str, password: str) -> str:
+    """Log in to the admin at ``url`` and list the deliveries: "ok", or what went wrong."""
+    opener = urllib.request.build_opener(
+        urllib.request.HTTPCookieProcessor(http.cookiejar.CookieJar())
+    )
+    login = f"{url}/admin/login/?next=/admin/"
+    try:
+        with opener.open(login, timeout=PROBE_BOUND) as page:
+            token = re.search(r'name="csrfmiddlewaretoken" value="([^"]+)"', page.read().decode())
+        if token is None:
+            return "no login form"
+        form = {"csrfmiddlewaretoken": token[1], "username": user, "password": password}
+        request = urllib.request.Request(login, data=urlencode(form).encode())
+        with opener.open(request, timeout=PROBE_BOUND) as page:
+            if urlsplit(page.url).path != "/admin/":
+                return "login refused"
+        deliveries = f"{url}/admin/workflow_delivery/workflowagentdelivery/"
+        with opener.open(deliveries, timeout=PROBE_BOUND) as page:
+            page.read()
+            return "ok" if page.status == 200 else str(page.status)
+    except urllib.error.HTTPError as exc:
+        return str(exc.code)
+    except OSError as exc:
+        return type(exc).__name__
+
+
+def create_superuser(url: str) -> str:
+    """The admin's superuser in the run's database; returns its password."""
+    password = uuid.uuid4().hex
+    env = {**worker_environment(url), "DJANGO_SUPERUSER_PASSWORD": password}
+    command = [sys.executable, str(ROOT / "manage.py"), "createsuperuser", "--noinput"]
+    command += ["--username", ADMIN_USER, "--email", "chaos@example.invalid", "-v", "0"]
+    subprocess.run(command, cwd=ROOT, env=env, check=True)
+    return password
+
+
+def start_http_servers(url: str, run_dir: Path, stack: contextlib.ExitStack) -> dict[str, str]:
+    """The demo project under uvicorn and under gunicorn over the run's (multi-host)
+    URL, each logging into the run's folder; their base URLs by name."""
+    # Plain HTTP on loopback: the admin's cookies may not be marked Secure.
+    env = {"SESSION_COOKIE_SECURE": "false", "CSRF_COOKIE_SECURE": "false"}
+    servers = {}
+    for name in common.SERVERS:
+        log = stack.enter_context((run_dir / "logs" / f"{name}.log").open("ab"))
+        servers[name] = stack.enter_context(
+            common.api_server(url, server=name, env=env, output=log)
+        )
+    return servers
 
 
 def worker_environment(url: str) -> dict[str, str]:
@@ -549,6 +705,7 @@ def run(config: ChaosConfig) -> ChaosReport:
         server = ChaosServer.embedded(database)
     harness = None
     run_dir = None
+    servers = contextlib.ExitStack()
     try:
         if config.journal_dir is not None:
             config.journal_dir.mkdir(parents=True, exist_ok=True)
@@ -558,7 +715,14 @@ def run(config: ChaosConfig) -> ChaosReport:
             create_effects_table(server.url)
         if config.stuck_holders:
             create_stuck_effects_table(server.url)
-        harness = Harness(config, server, run_dir)
+        http_servers = {}
+        admin_password = ""
+        if config.http_agents:
+            admin_password = create_superuser(server.url)
+            (run_dir / "logs").mkdir()
+            http_servers = start_http_servers(server.url, run_dir, servers)
+        harness = Harness(config, server, run_dir, http_servers)
+        harness.admin_password = admin_password
         harness.topology = topology
         harness.run()
         with connect(server.url) as conn:
@@ -569,6 +733,7 @@ def run(config: ChaosConfig) -> ChaosReport:
                 effects_table=EFFECTS_TABLE if config.consumers else None,
                 stuck_effects_table=STUCK_EFFECTS_TABLE if config.stuck_holders else None,
                 failovers=config.failover,
+                http_targets=harness.http_targets(),
             )
         report.describe(config, server, run_dir)
         return report
@@ -579,6 +744,7 @@ def run(config: ChaosConfig) -> ChaosReport:
                 if process.poll() is None:
                     process.kill()
                     process.wait()
+        servers.close()
         server.close()
         if config.journal_dir is None and run_dir is not None:
             shutil.rmtree(run_dir, ignore_errors=True)
@@ -634,6 +800,12 @@ def parse_args(argv: list[str] | None = None) -> ChaosConfig:
         help="holders that hang inside holding() past their lease (0: none; 1 by default, "
         "0 with --failover)",
     )
+    parser.add_argument(
+        "--http-agents",
+        type=int,
+        help="agents of the signed HTTP API, half through uvicorn, half through gunicorn "
+        "(4 by default with --failover, else none)",
+    )
     parser.add_argument("--seed", type=int)
     parser.add_argument("--keep-journals", type=Path, help="keep journals and logs under here")
     args = parser.parse_args(argv)
@@ -667,6 +839,7 @@ def parse_args(argv: list[str] | None = None) -> ChaosConfig:
         stuck_holders=stuck,
         failover=args.failover,
         asynchronous=args.asynchronous,
+        http_agents=args.http_agents,
         json_path=args.json,
     )
     if args.seed is not None:

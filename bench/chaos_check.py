@@ -71,6 +71,17 @@ class ChaosReport:
     recovery_seconds: list[float | None] = field(default_factory=list)
     acknowledged_writes: int = 0
     acknowledged_lost: int = 0
+    # Agents of the HTTP API: their requests, those not answered in the bound, those
+    # answered 503, settles and first settle after each loss, by server; and the
+    # harness's probes (admin, API) through each server after each loss.
+    http_checked: bool = False
+    http_requests: int = 0
+    http_hung: int = 0
+    http_unavailable: int = 0
+    http_connection_errors: int = 0
+    http_settles: dict[str, int] = field(default_factory=dict)
+    http_recovery_seconds: dict[str, list[float | None]] = field(default_factory=dict)
+    probes: list[dict[str, Any]] = field(default_factory=list)
     header: str = ""
 
     MUST_BE_ZERO = (
@@ -114,6 +125,16 @@ class ChaosReport:
         )
 
     @property
+    def probes_ok(self) -> bool:
+        """After each loss, the admin and the API answered through every server."""
+        expected = len(self.failovers) * len(self.http_settles)
+        return not self.http_checked or (
+            len(self.probes) == expected
+            and all(p["admin_seconds"] is not None for p in self.probes)
+            and all(p["api_seconds"] is not None for p in self.probes)
+        )
+
+    @property
     def failovers_ok(self) -> bool:
         """Every planned loss of the primary happened, was recovered from, and lost
         nothing a client had been told was done."""
@@ -148,12 +169,20 @@ class ChaosReport:
             "effects_duplicated": self.effects_duplicated,
             "reconnects": self.reconnects,
             "worker_errors": self.worker_errors,
+            "http_requests": self.http_requests,
+            "http_hung": self.http_hung,
+            "http_unavailable": self.http_unavailable,
+            "http_connection_errors": self.http_connection_errors,
+            "http_settles": self.http_settles,
+            "http_recovery_seconds": self.http_recovery_seconds,
+            "probes_after_failover": self.probes,
         }
 
     @property
     def ok(self) -> bool:
         return (
             self.failovers_ok
+            and self.probes_ok
             and self.stuck_ok
             and not self.worker_errors
             and not self.deletion_failures
@@ -257,9 +286,36 @@ class ChaosReport:
                 f"stale writes accepted           {self.stale_writes}   (must be 0)",
             ]
             lines[-1:-1] = [f"  failover error: {error}" for error in self.failover_errors]
+        if self.http_checked:
+            admin = [p["admin_seconds"] for p in self.probes]
+            api = [p["api_seconds"] for p in self.probes]
+            lines[-1:-1] = [
+                f"HTTP requests                   {self.http_requests}; no answer within the "
+                f"bound {self.http_hung}, 503 {self.http_unavailable}, connection errors "
+                f"{self.http_connection_errors}",
+                "HTTP settles by server          "
+                + ", ".join(f"{k} {v}" for k, v in sorted(self.http_settles.items())),
+            ]
+            lines[-1:-1] = [
+                f"  {name}: loss -> first HTTP settle  "
+                + ", ".join("never" if s is None else f"{s:.1f}" for s in seconds)
+                for name, seconds in sorted(self.http_recovery_seconds.items())
+            ]
+            lines[-1:-1] = [
+                f"probes after each loss          {len(self.probes)}: admin 200 after "
+                f"{_seconds(admin)}, API after {_seconds(api)}"
+                + ("" if self.probes_ok else "   (must all answer)"),
+            ]
         lines += [f"  {error}" for error in self.worker_errors]
         lines.append("RESULT: " + ("ok" if self.ok else "FAILED"))
         return "\n".join(lines)
+
+
+def _seconds(values: list[float | None]) -> str:
+    answered = sorted(v for v in values if v is not None)
+    never = len(values) - len(answered)
+    text = f"max {answered[-1]:.1f} s" if answered else "none"
+    return text + (f", never {never}" if never else "")
 
 
 def _rows(
@@ -292,17 +348,27 @@ def _check_effects(
     table: str,
     rows: dict[str, tuple[str, int, float | None]],
     report: ChaosReport,
+    http_targets: list[bytes],
 ) -> None:
     """Exactly one effect row per settled delivery, written by the holder that settled
-    it (same generation); an effect row of any other generation is a stale holder's."""
+    it (same generation); an effect row of any other generation is a stale holder's.
+    The HTTP agents' deliveries (``http_targets``) have no effect rows: they settle
+    through the API, which writes nothing else."""
     report.effects_checked = True
+    without = {
+        str(row[0])
+        for row in conn.execute(
+            "SELECT id FROM workflow_agent_deliveries WHERE target_pubkey = ANY(%s)",
+            [http_targets],
+        )
+    }
     effects: dict[str, list[int]] = defaultdict(list)
     for delivery_id, generation in conn.execute(f"SELECT delivery_id, generation FROM {table}"):
         effects[str(delivery_id)].append(generation)
     report.effect_rows = sum(len(found) for found in effects.values())
     for delivery_id, (status, generation, _) in rows.items():
         found = effects.get(delivery_id, [])
-        if status in TERMINAL:
+        if status in TERMINAL and delivery_id not in without:
             report.effects_missing += not found
             report.effects_duplicated += len(found) > 1
         report.effects_stale += sum(1 for g in found if status not in TERMINAL or g != generation)
@@ -317,6 +383,7 @@ def check(
     effects_table: str | None = None,
     stuck_effects_table: str | None = None,
     failovers: int = 0,
+    http_targets: list[bytes] | None = None,
 ) -> ChaosReport:
     report = ChaosReport(failovers_planned=failovers)
     # The deleter's tenants have their own checks (below), not the fleet's.
@@ -391,7 +458,7 @@ def check(
     report.reconnects = sum(1 for r in records if r["op"] == "conn_error")
     report.restarts = sum(1 for r in records if r["op"] == "restart_end")
     if effects_table is not None:
-        _check_effects(conn, effects_table, table, report)
+        _check_effects(conn, effects_table, table, report, http_targets or [])
     report.worker_errors = [
         f"{r['role']}-{r['index']} (pid {r['pid']}): {r['error']}"
         for r in records
@@ -401,7 +468,57 @@ def check(
     if stuck_effects_table is not None:
         _check_stuck(conn, records, table, stuck_effects_table, report)
     _check_acknowledged(records, table, settles, report)
+    if http_targets:
+        _check_http(records, settles, report)
     return report
+
+
+def _check_http(
+    records: list[dict[str, Any]],
+    settles: dict[str, list[dict[str, Any]]],
+    report: ChaosReport,
+) -> None:
+    """The HTTP agents' request counts (each process's last), settles and first settle
+    after each loss by server, and the harness's probes after each loss."""
+    report.http_checked = True
+    last: dict[int, dict[str, Any]] = {}
+    for r in records:
+        if r["op"] == "http_stats":
+            last[r["pid"]] = r
+    report.http_requests = sum(r.get("requests", 0) for r in last.values())
+    report.http_hung = sum(r.get("hung", 0) for r in last.values())
+    report.http_unavailable = sum(r.get("unavailable", 0) for r in last.values())
+    report.http_connection_errors = sum(r.get("connection_errors", 0) for r in last.values())
+    by_server: dict[str, list[float]] = defaultdict(list)
+    for r in records:
+        if r["op"] == "http_stats":
+            by_server.setdefault(r["server"], [])
+    for found in settles.values():
+        for r in found:
+            if "server" in r:
+                by_server[r["server"]].append(r["t"])
+    report.http_settles = {name: len(times) for name, times in by_server.items()}
+    for name, times in by_server.items():
+        times.sort()
+        report.http_recovery_seconds[name] = [
+            next((round(t - e["killed_at"], 2) for t in times if t > e["killed_at"]), None)
+            for e in report.failovers
+        ]
+    report.probes = [
+        {
+            k: r[k]
+            for k in (
+                "server",
+                "since_loss",
+                "admin_first",
+                "admin_seconds",
+                "api_first",
+                "api_seconds",
+            )
+        }
+        for r in records
+        if r["op"] == "probe"
+    ]
 
 
 def _check_acknowledged(

@@ -122,13 +122,13 @@ def run_producer(config: dict[str, Any], index: int, journal: Journal) -> None:
 
     tenant = config["communities"][index]
     community_id, workflow_id = uuid.UUID(tenant["id"]), uuid.UUID(tenant["workflow_id"])
-    targets = [bytes.fromhex(target) for target in config["targets"]]
+    # The HTTP agents' keys are targets too: the producers address them like the others.
+    targets = [bytes.fromhex(target) for target in config["targets"]] + http_targets(config)
     rng = random.Random(config["seed"] * 1000 + index)
+    host = tenant.get("host") or f"chaos-{index}-{community_id.hex[:8]}.example"
 
     def ensure_tenant() -> None:
-        community, _ = Community.objects.get_or_create(
-            id=community_id, defaults={"host": f"chaos-{index}-{community_id.hex[:8]}.example"}
-        )
+        community, _ = Community.objects.get_or_create(id=community_id, defaults={"host": host})
         Workflow.objects.get_or_create(
             id=workflow_id,
             defaults={"community": community, "name": "chaos", "owner_pubkey": os.urandom(32)},
@@ -345,6 +345,165 @@ def run_agent(config: dict[str, Any], index: int, journal: Journal) -> None:
             work=work,
         )
         hold(lease, work)
+
+
+def http_targets(config: dict[str, Any]) -> list[bytes]:
+    """The public keys of the HTTP agents' secret keys (none without HTTP agents)."""
+    from workflow_delivery import keys
+
+    return [keys.public_key_bytes(bytes.fromhex(key)) for key in config.get("http_secrets", [])]
+
+
+# An HTTP request not answered within this many seconds is counted as hung (and sent
+# again): the recovery goal's bound on a lost primary.
+HTTP_BOUND = 30.0
+# Refusals of a claim before the producer has written the community and its roster.
+NOT_READY = ("unknown_community", "auth_unknown_agent")
+# How often an HTTP agent journals its running request counts.
+HTTP_STATS_EVERY = 5.0
+
+
+def run_http_agent(config: dict[str, Any], index: int, journal: Journal) -> None:
+    """An agent of the signed HTTP API, through one of the harness's servers (uvicorn or
+    gunicorn, by index): it claims in every community, works a blink and finishes,
+    journaling claims and settles as the other agents do. A request refused with 503,
+    not answered within ``HTTP_BOUND`` or whose connection failed is sent again (a
+    finish's retry answers its recorded outcome); any other refusal is an error."""
+    import http.client
+    from collections import Counter
+    from urllib.parse import urlsplit
+
+    from workflow_delivery.client import AgentClient
+    from workflow_delivery.exceptions import AgentApiError
+    from workflow_delivery.protocol import AlreadyTerminal, LeaseLost, Outcome, Settled
+
+    servers = config["http_servers"]
+    server = servers[index % len(servers)]
+    secrets = config["http_secrets"]
+    secret = bytes.fromhex(secrets[(index // len(servers)) % len(secrets)])
+    port = urlsplit(server["url"]).port
+    clients = [
+        AgentClient(
+            f"http://{tenant['host']}/agents/",
+            secret,
+            timeout=HTTP_BOUND,
+            connect_to=("127.0.0.1", port),
+        )
+        for tenant in config["communities"]
+    ]
+    rng = random.Random()
+    # The clients answered once: from then on a refusal is an error.
+    ready: set[int] = set()
+    counts: Counter[str] = Counter()
+    reported_at = time.monotonic()
+
+    def report() -> None:
+        journal.write("http_stats", server=server["name"], **counts)
+
+    def call(
+        during: str, send: Callable[[], T], *, starting: bool = False
+    ) -> tuple[bool, T | None]:
+        """(True, answer) once answered; (False, None) when a claim is given up on
+        (stopping or, ``starting``, a community or roster not written yet)."""
+        nonlocal reported_at
+        while True:
+            counts["requests"] += 1
+            started = time.monotonic()
+            try:
+                return True, send()
+            except AgentApiError as exc:
+                if starting and exc.code in NOT_READY:
+                    # The producer creates the community, then enrolls the keys.
+                    return False, None
+                if exc.status != 503:
+                    raise
+                counts["unavailable"] += 1
+                problem = f"503 {exc.code}"
+            except TimeoutError:
+                counts["hung"] += 1
+                problem = f"no answer in {HTTP_BOUND:g} s"
+                journal.write("http_hung", server=server["name"], during=during)
+            except (OSError, http.client.HTTPException) as exc:
+                counts["connection_errors"] += 1
+                problem = f"{type(exc).__name__}: {exc}"
+            journal.write(
+                "http_retry",
+                server=server["name"],
+                during=during,
+                seconds=round(time.monotonic() - started, 3),
+                error=problem[:200],
+            )
+            if time.monotonic() - reported_at > HTTP_STATS_EVERY:
+                report()
+                reported_at = time.monotonic()
+            if Stop.requested and during == "claim":
+                return False, None
+            time.sleep(0.2 + random.random() * 0.3)
+
+    try:
+        while not Stop.requested:
+            if time.monotonic() - reported_at > HTTP_STATS_EVERY:
+                report()
+                reported_at = time.monotonic()
+            rng.shuffle(clients)
+            claimed = None
+            for client in clients:
+                answered, claimed = call(
+                    "claim",
+                    lambda c=client: c.claim(lease_seconds=config["lease"]),
+                    starting=id(client) not in ready,
+                )
+                if answered:
+                    ready.add(id(client))
+                if claimed is not None:
+                    break
+                if Stop.requested:
+                    break
+            if claimed is None:
+                time.sleep(config["http_idle_poll"])
+                continue
+            lease, record = claimed
+            work = rng.uniform(0.01, 0.1)
+            journal.write(
+                "claim",
+                id=str(lease.delivery_id),
+                gen=lease.generation,
+                community=str(lease.community_id),
+                step=record.binding.step_id,
+                lease_until=lease.lease_until.isoformat(),
+                work=work,
+                server=server["name"],
+            )
+            time.sleep(work)
+            outcome = Outcome.FAILED if rng.random() < 0.1 else Outcome.FINISHED
+            t0 = time.time()
+            # Sent until answered, even while stopping: an unanswered finish may have
+            # been recorded, and only its answer says so.
+            _, result = call(
+                "finish", lambda c=client, held=lease, end=outcome: c.finish(held, end)
+            )
+            if isinstance(result, Settled):
+                name = "settled"
+            elif isinstance(result, LeaseLost):
+                name = "lost"
+            elif isinstance(result, AlreadyTerminal):
+                name = f"already:{result.status.value}"
+            else:
+                journal.write("abandon", id=str(lease.delivery_id), gen=lease.generation)
+                continue
+            journal.write(
+                "finish",
+                id=str(lease.delivery_id),
+                gen=lease.generation,
+                t0=t0,
+                outcome=outcome.value,
+                result=name,
+                server=server["name"],
+            )
+    finally:
+        report()
+        for client in clients:
+            client.close()
 
 
 EFFECTS_TABLE = "chaos_effects"
@@ -799,6 +958,7 @@ ROLES = {
     "reaper": run_reaper,
     "deleter": run_deleter,
     "stuck": run_stuck_holder,
+    "http": run_http_agent,
 }
 
 

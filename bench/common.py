@@ -18,10 +18,10 @@ API (stable for ``bench/chaos.py`` and friends):
   roster enrolls the keys ``0 … ENROLLED_TARGETS - 1`` (big-endian), every target a
   harness names that way; ``enroll(conn, community, keys)`` enrolls others.
 - ``percentile(values, q)``.
-- ``api_server(database_url, server="uvicorn", workers=1)``: context manager; the
-  demo project served by uvicorn (ASGI) or gunicorn (WSGI, gthread workers, persistent
-  connections) over that database on a free loopback port; yields its base URL and
-  stops the server (and its connections) on exit.
+- ``api_server(database_url, server="uvicorn", workers=1, env=None, output=None)``:
+  context manager; the demo project served by uvicorn (ASGI) or gunicorn (WSGI, gthread
+  workers, persistent connections) over that database on a free loopback port; yields
+  its base URL and stops the server (and its connections) on exit.
 - ``database_url(db)``: a ``DATABASE_URL`` for a ``BenchDb``, for server processes.
 """
 
@@ -39,7 +39,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import psycopg
 from tqdm import tqdm
@@ -435,14 +435,20 @@ def _server_command(server: str, fd: int, port: int, workers: int) -> list[str]:
 
 @contextmanager
 def api_server(
-    url: str, *, server: str = "uvicorn", workers: int = 1, env: dict[str, str] | None = None
+    url: str,
+    *,
+    server: str = "uvicorn",
+    workers: int = 1,
+    env: dict[str, str] | None = None,
+    output: IO[bytes] | None = None,
 ) -> Iterator[str]:
     """The demo project under ``server`` over database ``url`` on a free loopback
     port (both servers inherit the socket bound here, TCP_NODELAY set); yields
     ``http://127.0.0.1:PORT``. SIGTERM at the end, SIGKILL if it lingers. Under
     gunicorn each worker thread keeps its connection (``conn_max_age``); under uvicorn
     the project's ``asgi.py`` runs each request's sync code on one of a few long-lived
-    threads, which keep theirs."""
+    threads, which keep theirs. ``output``: a file for the server's output (this
+    process's own by default)."""
     listener = _listening_socket()
     port = listener.getsockname()[1]
     if server == "gunicorn":
@@ -464,6 +470,8 @@ def api_server(
         env=environment,
         pass_fds=inherited,
         start_new_session=True,
+        stdout=output,
+        stderr=None if output is None else subprocess.STDOUT,
     )
     listener.close()
     try:

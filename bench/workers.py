@@ -17,6 +17,7 @@ import uuid
 from collections.abc import Callable
 from contextlib import suppress
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 from tqdm import tqdm
@@ -158,8 +159,12 @@ def _service_cycle(spec: Spec) -> tuple[Unit, Callable[[], None]]:
     return unit, connections.close_all
 
 
-def _baseline_cycle(spec: Spec) -> tuple[Unit, Callable[[], None]]:
+def _baseline_cycle(
+    spec: Spec, *, synchronous_commit: str | None = None
+) -> tuple[Unit, Callable[[], None]]:
     conn = spec.db.connect()
+    if synchronous_commit is not None:
+        conn.execute("SELECT set_config('synchronous_commit', %s, false)", [synchronous_commit])
     cursor = conn.cursor()
     community = spec.tenant.community_id
 
@@ -427,6 +432,11 @@ def _timeline_cycle(on: bool) -> Callable[[Spec], tuple[Unit, Callable[[], None]
 _LOOPS = {
     ("cycle", SERVICE): _service_cycle,
     ("cycle", BASELINE): _baseline_cycle,
+    # On a server with a synchronous standby (bench/sync_commit.py): the hand-written
+    # cycle whose commits wait for the standby ("service") against the same whose
+    # commits wait only for the local disk ("baseline"), a lone server's commit.
+    ("cycle-sync", SERVICE): _baseline_cycle,
+    ("cycle-sync", BASELINE): partial(_baseline_cycle, synchronous_commit="local"),
     # The services' settle-and-claim loop against the same written by hand in one
     # statement, and against the hand-written two-statement cycle.
     ("cycle-chain", SERVICE): _service_chain,

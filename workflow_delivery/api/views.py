@@ -16,6 +16,7 @@ from uuid import UUID
 
 from asgiref.sync import sync_to_async
 from django.db import DEFAULT_DB_ALIAS, transaction
+from django.db import Error as DatabaseError
 from django.http import Http404, HttpRequest, HttpResponse
 from ninja import NinjaAPI, Query, Status
 from ninja.decorators import decorate_view
@@ -43,6 +44,7 @@ from ..protocol import (
     Settled,
     as_uuid,
 )
+from ..store.errors import is_connection_lost
 from ..store.run import one_transaction
 from . import schema
 from .asgi import CommunityBusy, community_slot
@@ -128,6 +130,24 @@ def _unknown_community(request: HttpRequest, exc: CommunityNotServed) -> HttpRes
 def _deleting(request: HttpRequest, exc: CommunityDeleting) -> HttpResponse:
     response = error(request, 503, "community_deleting", str(exc))
     response["Retry-After"] = str(COMMUNITY_DELETING_RETRY_AFTER)
+    return response
+
+
+# Seconds a request is told to wait when the database could not be reached: about
+# one attempt of a multi-host connection string while a standby is being promoted.
+DATABASE_UNAVAILABLE_RETRY_AFTER = 2
+
+
+@api.exception_handler(DatabaseError)
+def _database_unavailable(request: HttpRequest, exc: DatabaseError) -> HttpResponse:
+    """A session lost or never opened (the server down, restarting, failing over)
+    is answered as retryable; a transaction it cut short was rolled back or its
+    outcome is unknown, and a retry of a finish converges either way. Any other
+    database error is not the client's to retry, and stays a server error."""
+    if not is_connection_lost(exc):
+        raise exc
+    response = error(request, 503, "database_unavailable", "the database cannot be reached now")
+    response["Retry-After"] = str(DATABASE_UNAVAILABLE_RETRY_AFTER)
     return response
 
 
