@@ -1,5 +1,6 @@
-"""The agent HTTP API: claim, renew, finish, read and wait, each scoped to the key
-that signed the request, in the community named by the Host header.
+"""The agent HTTP API: claim, renew, finish (or fail with a reason, retry, release),
+reply, read and wait, each scoped to the key that signed the request, in the
+community named by the Host header.
 
 Results map to answers; everything else is ``{"error": code, "detail": text}`` with a
 stable code. The OpenAPI 3 document is derived from these views by django-ninja.
@@ -28,13 +29,16 @@ from ..exceptions import (
     CommunityDeleting,
     CommunityNotServed,
     CommunityWriteFenced,
+    LeaseNotLive,
     ProtocolError,
+    TargetNotEnrolled,
 )
 from ..models import WorkflowAgentDelivery
 from ..protocol import (
     AlreadyTerminal,
     Claimed,
     DeliveryRecord,
+    Exhausted,
     Lease,
     LeaseLost,
     MessageEvent,
@@ -139,6 +143,16 @@ def _fenced(request: HttpRequest, exc: CommunityWriteFenced) -> HttpResponse:
 @api.exception_handler(ProtocolError)
 def _protocol(request: HttpRequest, exc: ProtocolError) -> HttpResponse:
     return error(request, 400, "invalid_request", str(exc), exc.field)
+
+
+@api.exception_handler(TargetNotEnrolled)
+def _not_enrolled(request: HttpRequest, exc: TargetNotEnrolled) -> HttpResponse:
+    return error(request, 400, "target_not_enrolled", str(exc), "to")
+
+
+@api.exception_handler(LeaseNotLive)
+def _not_live(request: HttpRequest, exc: LeaseNotLive) -> HttpResponse:
+    return _lease_lost(request)
 
 
 @api.exception_handler(ValidationError)
@@ -422,6 +436,12 @@ def _finish_document(result: Settled | AlreadyTerminal) -> dict[str, str]:
 )
 @decorate_view(served_alone)
 def finish(request: HttpRequest, delivery_id: schema.Uuid, payload: schema.FinishIn):
+    if payload.error is not None:
+        if payload.outcome != Outcome.FAILED.value or payload.next:
+            raise ApiError(
+                400, "invalid_request", "error: only a failed outcome without next", "error"
+            )
+        return in_one_transaction(_fail_with_error)(request, delivery_id, payload)
     if payload.next:
         return _finish_and_claim_next(request, _delivery_id(delivery_id), payload)
     if payload.lease_seconds is not None:
@@ -437,6 +457,94 @@ def finish(request: HttpRequest, delivery_id: schema.Uuid, payload: schema.Finis
     if isinstance(result, LeaseLost):
         return _lease_lost(request)
     return _answer(request, _finish_document(result))
+
+
+def _fail_with_error(
+    request: HttpRequest, delivery_id: str, payload: schema.FinishIn
+) -> HttpResponse:
+    """Admitted, then settled failed with the reason kept, in the request's
+    transaction."""
+    lease = _lease(_caller(request), delivery_id, payload.generation)
+    result = services.finish_delivery(lease, Outcome.FAILED, error=payload.error)
+    if isinstance(result, LeaseLost):
+        return _lease_lost(request)
+    return _answer(request, _finish_document(result))
+
+
+@api.post(
+    "v1/deliveries/{delivery_id}/retry",
+    response={200: schema.RetryOut, **ERRORS},
+    summary="Give a live lease back after a failed attempt, its error kept, to be retried",
+)
+@decorate_view(in_one_transaction)
+def retry(request: HttpRequest, delivery_id: schema.Uuid, payload: schema.RetryIn):
+    lease = _lease(_caller(request), delivery_id, payload.generation)
+    result = services.retry_delivery(
+        lease, error=payload.error, delay_seconds=payload.delay_seconds
+    )
+    if isinstance(result, LeaseLost):
+        return _lease_lost(request)
+    if isinstance(result, Exhausted):
+        return _answer(request, {"result": "exhausted", "attempts": result.attempts})
+    document = {
+        "result": "retried",
+        "attempts": result.attempts,
+        "available_at": wire.instant(result.available_at),
+    }
+    return _answer(request, document)
+
+
+@api.post(
+    "v1/deliveries/{delivery_id}/release",
+    response={200: schema.ReleaseOut, **ERRORS},
+    summary="Give a live lease back unattempted: pending again at once",
+)
+@decorate_view(in_one_transaction)
+def release(request: HttpRequest, delivery_id: schema.Uuid, payload: schema.ReleaseIn):
+    lease = _lease(_caller(request), delivery_id, payload.generation)
+    if not services.release_lease(lease):
+        return _lease_lost(request)
+    return _answer(request, {"result": "released"})
+
+
+@api.post(
+    "v1/deliveries/{delivery_id}/reply",
+    response={200: schema.ReplyOut, **ERRORS},
+    summary="Reply to a held delivery: a message of its run, sent to enrolled agents",
+)
+@decorate_view(in_one_transaction)
+def reply(request: HttpRequest, delivery_id: schema.Uuid, payload: schema.ReplyIn):
+    lease = _lease(_caller(request), delivery_id, payload.generation)
+    sent = services.reply_to_delivery(
+        lease, content=payload.content, to=payload.to, idempotency_key=payload.idempotency_key
+    )
+    document = {
+        "message_id": sent.message.id.hex(),
+        "run_id": str(sent.run_id),
+        "step_id": sent.step_id,
+        "created": sent.created,
+        "deliveries": [str(record.id) for record in sent.deliveries],
+    }
+    return _answer(request, document)
+
+
+@api.get(
+    "v1/deliveries/{delivery_id}/replies",
+    response={200: schema.RepliesOut, **ERRORS},
+    summary="The replies stored so far in the run of one of the caller's deliveries",
+)
+@decorate_view(in_one_transaction)
+def replies(request: HttpRequest, delivery_id: schema.Uuid):
+    caller = _caller(request)
+    record = services.get_delivery(caller.community_id, _delivery_id(delivery_id))
+    if record is None or record.binding.target_pubkey != caller.pubkey:
+        raise Http404
+    run_id = record.binding.run_id
+    document = {
+        "run_id": str(run_id),
+        "replies": services.run_replies(caller.community_id, run_id),
+    }
+    return _answer(request, document)
 
 
 def _finish_and_claim_next(
