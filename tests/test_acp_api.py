@@ -252,12 +252,14 @@ def test_sigterm_cancels_the_turn_releases_its_lease_and_exits_zero(server, rost
         ("unreachable", "cannot reach the agent API at http://127.0.0.1:9/agents/", 1),
         ("no agent", "cannot start the agent '/nonexistent/acp-agent'", 1),
         ("not enrolled", "the agent API refused: 401 auth_unknown_agent", 1),
+        ("mute agent", "did not answer initialize within 0.5 s", 1),
     ],
 )
 def test_bad_input_is_a_clear_error_and_claims_nothing(server, roster, case, expected, code):
     owner, key, _ = roster
     delivery = send(owner, key, "answer")
     options: dict = {}
+    extra: tuple[str, ...] = ()
     given = key
     if case == "no secret":
         given = None
@@ -265,9 +267,13 @@ def test_bad_input_is_a_clear_error_and_claims_nothing(server, roster, case, exp
         options["api"] = "http://127.0.0.1:9/agents/"
     elif case == "no agent":
         options["agent_command"] = ["/nonexistent/acp-agent"]
+    elif case == "mute agent":
+        # The last --handshake-timeout given wins.
+        extra += ("--handshake-timeout", "0.5")
+        options["env"] = {"ACP_AGENT_MODE": "mute"}
     else:
         given = secret()
-    result = run(server, given, "--max-deliveries", "1", **options)
+    result = run(server, given, "--max-deliveries", "1", *extra, **options)
     assert result.returncode == code, result.stderr
     assert expected in result.stderr
     found = row(delivery)
@@ -352,3 +358,50 @@ def test_the_new_endpoints_are_in_the_openapi_document(server):
     schema_name = finish["requestBody"]["content"]["application/json"]["schema"]["$ref"]
     assert "error" in document["components"]["schemas"][schema_name.rsplit("/", 1)[1]]["properties"]
     json.dumps(document)
+
+
+IMPORTS = """
+import json, sys
+
+class NoDjango:
+    def find_spec(self, name, path=None, target=None):
+        if name == "django" or name.startswith("django."):
+            raise ImportError(name)
+
+sys.meta_path.insert(0, NoDjango())
+import workflow_delivery.acp as acp
+from workflow_delivery.acp import ApiAgent, __main__
+try:
+    acp.AcpAgent
+except ImportError:
+    in_process = "needs django"
+else:
+    in_process = "imported"
+print(json.dumps({
+    "modules": sorted(m for m in sys.modules if m.startswith("workflow_delivery")),
+    "django": sorted(m for m in sys.modules if m == "django" or m.startswith("django.")),
+    "in_process": in_process,
+}))
+"""
+
+
+def test_the_api_runner_imports_without_django():
+    result = subprocess.run(
+        [sys.executable, "-c", IMPORTS], cwd=ROOT, capture_output=True, text=True, timeout=60
+    )
+    assert result.returncode == 0, result.stderr
+    seen = json.loads(result.stdout)
+    assert seen["django"] == [] and seen["in_process"] == "needs django"
+    assert set(seen["modules"]) == {
+        "workflow_delivery",
+        "workflow_delivery.acp",
+        "workflow_delivery.acp.__main__",
+        "workflow_delivery.acp.remote",
+        "workflow_delivery.acp.runtime",
+        "workflow_delivery.acp.turns",
+        "workflow_delivery.client",
+        "workflow_delivery.exceptions",
+        "workflow_delivery.keys",
+        "workflow_delivery.protocol",
+        "workflow_delivery.wire",
+    }
