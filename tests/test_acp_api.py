@@ -32,6 +32,7 @@ from workflow_delivery.protocol import (
     Retried,
     Settled,
 )
+from workflow_delivery.roster import revoke_agent
 from workflow_delivery.services import release_deliveries, send_message
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.psycopg3]
@@ -217,13 +218,40 @@ def test_a_lost_lease_cancels_the_turn_and_its_late_reply_stores_nothing(server,
     assert "lost=1" in out, out
     # Renewed every half second: the loss is seen, and the turn cancelled, within a
     # second (twice that here, for a loaded machine).
-    [line] = [line for line in err.splitlines() if f"cancelling the turn of {delivery}" in line]
-    assert line.endswith(": lost")
-    cancelled_at = datetime.strptime(line[:23], "%Y-%m-%d %H:%M:%S,%f")
-    assert (cancelled_at - released_at).total_seconds() < 2.0
+    assert (cancelled_at(err, delivery) - released_at).total_seconds() < 2.0
     assert not replies_to(peer)
     assert not WorkflowAgentDelivery.objects.filter(target_pubkey=peer).exists()
     assert row(delivery).status == "pending"
+
+
+def cancelled_at(err: str, delivery) -> datetime:
+    """When the runner (``--verbose``) logged the cancel of the turn of ``delivery``
+    for a lost lease."""
+    [line] = [line for line in err.splitlines() if f"cancelling the turn of {delivery}" in line]
+    assert line.endswith(": lost"), line
+    return datetime.strptime(line[:23], "%Y-%m-%d %H:%M:%S,%f")
+
+
+def test_a_key_revoked_mid_turn_cancels_the_turn_and_settles_nothing(server, roster):
+    owner, key, _ = roster
+    delivery = send(owner, key, "hang")
+    process = start(server, key, "--max-deliveries", "1", "--verbose")
+    try:
+        assert eventually(lambda: status(delivery) is DeliveryStatus.CLAIMED, 60)
+        time.sleep(0.5)
+        revoke_agent(owner.id, pubkey(key))
+        revoked_at = datetime.now()
+        out, err = stopped(process)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+    assert process.returncode == 0, err
+    assert "lost=1" in out and "auth_revoked" in err, (out, err)
+    # At the first renew refused, not when the lease would have run out (5 s).
+    assert (cancelled_at(err, delivery) - revoked_at).total_seconds() < 2.0
+    found = row(delivery)
+    assert found.status == "pending" and found.attempts == 1
 
 
 def test_sigterm_cancels_the_turn_releases_its_lease_and_exits_zero(server, roster):

@@ -8,8 +8,9 @@ install (the client, the ACP and MCP SDKs, uvicorn).
 request at a time) and loop: a claim that waits up to ``wait_seconds`` for a
 delivery (the API's ``wait``, woken by the producers' notifications), a turn, a
 settle. While a turn runs its worker renews the lease every ``LIVENESS_INTERVAL``
-seconds; a renew answered ``lease_lost`` cancels the turn at once (fenced: no tool
-call does anything from then on) and settles nothing. A renew that cannot get
+seconds; a renew answered ``lease_lost`` (or refused because the key was revoked or
+the community is gone) cancels the turn at once (fenced: no tool call does anything
+from then on) and settles nothing. A renew that cannot get
 through keeps the turn going until the lease, counted from the last renew that did,
 would have run out.
 
@@ -61,6 +62,12 @@ NETWORK_ERRORS = (OSError, http.client.HTTPException)
 TRANSCRIPT_BYTES = 65536
 # The longest pause after a claim that did not get through.
 MAX_BACKOFF = 5.0
+# Refusals of a renew that say the lease cannot be live any more: the key revoked or
+# never enrolled, the community gone or fenced (its deletion releases nothing, but
+# no write of the lease can commit).
+LEASE_ENDING_CODES = frozenset(
+    {"auth_revoked", "auth_unknown_agent", "unknown_community", "community_fenced"}
+)
 
 
 @dataclass
@@ -101,7 +108,13 @@ class _ApiLease:
     def live(self) -> bool:
         try:
             result = self.client.renew(self.lease, lease_seconds=self.lease_seconds)
-        except (*NETWORK_ERRORS, AgentApiError) as exc:
+        except AgentApiError as exc:
+            if exc.code in LEASE_ENDING_CODES:
+                logger.warning("renewing %s refused: %s", self.lease.delivery_id, exc)
+                return False
+            logger.warning("renewing %s failed: %s", self.lease.delivery_id, exc)
+            return time.monotonic() - self._renewed_at < self.lease_seconds
+        except NETWORK_ERRORS as exc:
             logger.warning("renewing %s failed: %s", self.lease.delivery_id, exc)
             return time.monotonic() - self._renewed_at < self.lease_seconds
         if isinstance(result, LeaseLost):
