@@ -38,7 +38,13 @@ from workflow_delivery.services import release_deliveries, send_message
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.psycopg3]
 
 ROOT = Path(__file__).resolve().parent.parent
-RUNNER = [sys.executable, str(Path(__file__).with_name("acp_api_runner.py"))]
+# ACP_CLIENT_PYTHON: the interpreter of a venv with only the [acp-client] extra, to
+# run the runner there (its imports come from this checkout, its dependencies from
+# that venv); by default this one, with Django refused by the runner.
+RUNNER = [
+    os.environ.get("ACP_CLIENT_PYTHON") or sys.executable,
+    str(Path(__file__).with_name("acp_api_runner.py")),
+]
 AGENT = [sys.executable, str(Path(__file__).with_name("acp_agent.py"))]
 SECRET_VARIABLE = "WD_TEST_AGENT_SECRET"
 # Generous on a loaded machine: the agent's interpreter starts and imports two SDKs.
