@@ -439,3 +439,25 @@ def test_the_api_runner_imports_without_django():
         "workflow_delivery.protocol",
         "workflow_delivery.wire",
     }
+
+
+def test_read_message_over_the_api_gives_the_message_its_run_and_the_replies(server, roster):
+    from workflow_delivery.acp.remote import _ApiEffects
+
+    owner, key, peer = roster
+    delivery = send(owner, key, "what now?")
+    with AgentClient(base_url(server), key) as agent:
+        claimed = agent.claim(lease_seconds=30)
+        lease, record = claimed
+        effects = _ApiEffects(agent, lease, record, claimed.message)
+        said = effects.reply("on it", [peer.hex()])
+        read = effects.read()
+    assert said.startswith("reply ") and "sent to 1 agent(s)" in said
+    asked = row(delivery)
+    assert read["delivery_id"] == str(delivery) and read["run_id"] == str(asked.run_id)
+    assert read["step_id"] == asked.step_id
+    assert read["message"]["content"] == "what now?"
+    assert read["message"]["id"] == bytes(asked.message_event_id).hex()
+    assert [(item["content"], item["pubkey"]) for item in read["replies"]] == [
+        ("on it", key_hex(key))
+    ]
