@@ -160,6 +160,16 @@ def test_a_delivery_becomes_a_turn_and_finishes(server, roster):
     assert found.status == "finished" and found.attempts == 1
 
 
+def test_a_json_message_is_prompted_as_its_json_text(server, roster):
+    owner, key, _ = roster
+    sent = send_message(
+        owner.id, targets=[pubkey(key)], content={"ask": "status"}, idempotency_key="k-json"
+    )
+    result = run(server, key, "--max-deliveries", "1")
+    assert result.returncode == 0, result.stderr
+    assert row(sent.deliveries[0].id).status == "finished"
+
+
 def test_a_reply_through_the_mcp_tool_is_stored_once_and_delivered(server, roster):
     owner, key, peer = roster
     delivery = send(owner, key, f"reply-twice {peer.hex()} thanks, done")

@@ -52,7 +52,7 @@ def _to(value: object) -> list[str]:
     return keys
 
 
-def reply_step(delivery_id: UUID, idempotency_key: object) -> str:
+def _reply_step(delivery_id: UUID, idempotency_key: object) -> str:
     """The step id of a reply: derived from the delivery and the caller's key."""
     if not isinstance(idempotency_key, str) or not 0 < len(idempotency_key) <= MAX_REPLY_KEY:
         raise ProtocolError(
@@ -82,7 +82,7 @@ def send_reply(
         lease.community_id,
         targets=targets,
         content=content,
-        idempotency_key=reply_step(lease.delivery_id, idempotency_key),
+        idempotency_key=_reply_step(lease.delivery_id, idempotency_key),
         run_id=run_id,
         tags=[["e", message.id.hex(), "", REPLY_MARKER]],
         sender=lease.target_pubkey,
@@ -103,7 +103,7 @@ def reply_to_delivery(
     nothing."""
     _content(content)
     _to(to)
-    reply_step(lease.delivery_id, idempotency_key)
+    _reply_step(lease.delivery_id, idempotency_key)
     with holding(lease, using=using):
         record = get_delivery(lease.community_id, lease.delivery_id, using=using)
         if record is None or record.binding.target_pubkey != lease.target_pubkey:
