@@ -23,7 +23,7 @@ from tests.agent_http import pubkey, secret, uvicorn_server
 from tests.consumers import eventually, status
 from workflow_delivery.client import AgentClient
 from workflow_delivery.exceptions import AgentApiError
-from workflow_delivery.models import Event, WorkflowAgentDelivery
+from workflow_delivery.models import AgentTurn, Event, WorkflowAgentDelivery
 from workflow_delivery.protocol import (
     AlreadyTerminal,
     DeliveryStatus,
@@ -168,6 +168,32 @@ def test_a_json_message_is_prompted_as_its_json_text(server, roster):
     result = run(server, key, "--max-deliveries", "1")
     assert result.returncode == 0, result.stderr
     assert row(sent.deliveries[0].id).status == "finished"
+
+
+def test_what_the_agent_said_is_stored_with_the_settle(server, roster):
+    owner, key, _ = roster
+    delivery = send(owner, key, "transcript 2")
+    crashed = send(owner, key, "crash", "k-crash")
+    result = run(server, key, "--max-deliveries", "2")
+    assert result.returncode == 0, result.stderr
+    assert row(delivery).status == "finished"
+    [turn] = AgentTurn.objects.filter(delivery_id=delivery)
+    assert (turn.outcome, turn.stop_reason, turn.attempts) == ("finished", "end_turn", 1)
+    assert turn.text == "<b>part 0</b> & <b>part 1</b> & given no; done"
+    assert turn.said_bytes == len(turn.text)
+    assert turn.tool_calls == [
+        {"id": "t1", "title": "read <notes>", "kind": "read", "status": "completed"},
+        {"id": "t2", "title": "edit config", "kind": "edit", "status": "failed"},
+    ]
+    [asked] = turn.permissions
+    assert (asked["title"], asked["answer"], asked["option"]) == (
+        "delete <everything>",
+        "denied",
+        "no",
+    )
+    # A retried attempt keeps what was said before the agent died.
+    [died] = AgentTurn.objects.filter(delivery_id=crashed)
+    assert died.outcome == "retried" and died.stop_reason is None and died.attempts == 1
 
 
 def test_a_reply_through_the_mcp_tool_is_stored_once_and_delivered(server, roster):
@@ -471,3 +497,53 @@ def test_read_message_over_the_api_gives_the_message_its_run_and_the_replies(ser
     assert [(item["content"], item["pubkey"]) for item in read["replies"]] == [
         ("on it", key_hex(key))
     ]
+
+
+def test_a_settle_carries_the_turn_within_its_bounds(server, roster, settings):
+    owner, key, _ = roster
+    finished = send(owner, key, "one", "k-1")
+    retried = send(owner, key, "two", "k-2")
+    said = {
+        "text": "all done",
+        "said_bytes": 20,
+        "stop_reason": "end_turn",
+        "tool_calls": [{"id": "t1", "title": "read", "kind": "read", "status": "completed"}],
+        "permissions": [],
+    }
+    with AgentClient(base_url(server), key) as agent:
+        lease, _ = agent.claim(delivery_id=finished)
+        path = f"v1/deliveries/{finished}/finish"
+        refused = [
+            ({"turn": said | {"said_bytes": 3}}, "turn.said_bytes"),
+            ({"turn": said, "next": True}, "turn"),
+            ({"turn": said | {"tool_calls": [{"id": "x" * 301}]}}, "turn.tool_calls.0.id"),
+        ]
+        for change, field in refused:
+            document = {"generation": lease.generation, "outcome": "finished"} | change
+            status_code, answer = agent.request("POST", path, document)
+            assert (status_code, answer["field"]) == (400, field), answer
+        assert agent.finish(lease, "finished", turn=said) == Settled(Outcome.FINISHED)
+        assert agent.finish(lease, "finished", turn=said) == AlreadyTerminal(
+            DeliveryStatus.FINISHED
+        )
+        lease, _ = agent.claim(delivery_id=retried)
+        assert isinstance(agent.retry(lease, "it died", turn=said | {"stop_reason": None}), Retried)
+    [kept] = AgentTurn.objects.filter(delivery_id=finished)
+    assert (kept.outcome, kept.text, kept.said_bytes) == ("finished", "all done", 20)
+    assert kept.tool_calls == said["tool_calls"]
+    [again] = AgentTurn.objects.filter(delivery_id=retried)
+    assert again.outcome == "retried" and again.attempts == 1
+
+
+def test_a_turn_document_fits_its_budget():
+    from workflow_delivery.acp.remote import turn_document
+    from workflow_delivery.acp.runtime import Turn
+
+    turn = Turn(run_id=None, delivery_id=None, blocks=[], max_bytes=16384)
+    turn.say("\u0001" * 16384)  # six bytes each once encoded as JSON
+    for n in range(200):
+        turn.tool_call(f"t{n}", title="x" * 300, kind="read", status="completed")
+    document = turn_document(turn, budget=8192)
+    assert len(json.dumps(document).encode()) <= 8192
+    assert document["said_bytes"] == 16384 and document["tool_calls"] == []
+    assert document["text"] and turn.text.startswith(document["text"])

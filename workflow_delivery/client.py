@@ -290,8 +290,18 @@ class AgentClient:
             raise self._refusal(status, answer)
         return Renewed(lease_until=wire.parse_instant(answer["lease_until"]))
 
-    def finish(self, lease: Lease, outcome: Outcome | str) -> Settled | AlreadyTerminal | LeaseLost:
-        document = {"generation": lease.generation, "outcome": Outcome(outcome).value}
+    def finish(
+        self, lease: Lease, outcome: Outcome | str, *, turn: dict | None = None
+    ) -> Settled | AlreadyTerminal | LeaseLost:
+        """Settle the lease once. ``turn``: what an ACP agent said in the turn of
+        this attempt (``text``, ``said_bytes``, ``stop_reason``, ``tool_calls``,
+        ``permissions``), stored with the settle."""
+        document: dict[str, object] = {
+            "generation": lease.generation,
+            "outcome": Outcome(outcome).value,
+        }
+        if turn is not None:
+            document["turn"] = turn
         status, answer = self.request("POST", f"v1/deliveries/{lease.delivery_id}/finish", document)
         if self._lease_lost(status, answer):
             return LeaseLost()
@@ -299,10 +309,18 @@ class AgentClient:
             raise self._refusal(status, answer)
         return self._settlement(answer)
 
-    def fail(self, lease: Lease, reason: str) -> Settled | AlreadyTerminal | LeaseLost:
+    def fail(
+        self, lease: Lease, reason: str, *, turn: dict | None = None
+    ) -> Settled | AlreadyTerminal | LeaseLost:
         """Settle the lease ``failed`` for good, ``reason`` kept as the delivery's last
-        error (never retried)."""
-        document = {"generation": lease.generation, "outcome": "failed", "error": reason}
+        error (never retried); ``turn`` as ``finish`` takes it."""
+        document: dict[str, object] = {
+            "generation": lease.generation,
+            "outcome": "failed",
+            "error": reason,
+        }
+        if turn is not None:
+            document["turn"] = turn
         status, answer = self.request("POST", f"v1/deliveries/{lease.delivery_id}/finish", document)
         if self._lease_lost(status, answer):
             return LeaseLost()
@@ -311,14 +329,21 @@ class AgentClient:
         return self._settlement(answer)
 
     def retry(
-        self, lease: Lease, error: str, *, delay_seconds: float | None = None
+        self,
+        lease: Lease,
+        error: str,
+        *,
+        delay_seconds: float | None = None,
+        turn: dict | None = None,
     ) -> Retried | Exhausted | LeaseLost:
         """Give the live lease back after a failed attempt, ``error`` kept: pending
         again after the server's backoff (or ``delay_seconds``), or settled failed
-        once every attempt is used (``Exhausted``)."""
+        once every attempt is used (``Exhausted``); ``turn`` as ``finish`` takes it."""
         document: dict[str, object] = {"generation": lease.generation, "error": error}
         if delay_seconds is not None:
             document["delay_seconds"] = delay_seconds
+        if turn is not None:
+            document["turn"] = turn
         status, answer = self.request("POST", f"v1/deliveries/{lease.delivery_id}/retry", document)
         if self._lease_lost(status, answer):
             return LeaseLost()

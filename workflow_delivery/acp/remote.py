@@ -24,11 +24,15 @@ again while the lease may still live.
 The ``reply`` tool is the API's ``reply`` (its idempotency key the digest of the
 call's arguments, so the same call asked again sends once), ``read_message`` the
 delivery's message as claimed with the run's replies (``replies``), ``fail`` a
-reason the settle sends. What the agent says is not stored in this mode."""
+reason the settle sends. What the agent said in the turn (its text, cut at
+``TRANSCRIPT_BYTES``, its tool calls and permission requests) goes with the settle
+(``turn_document``) and is stored in its transaction, as in process; a server that
+refuses it (a smaller bound) gets the settle without it."""
 
 from __future__ import annotations
 
 import http.client
+import json
 import logging
 import threading
 import time
@@ -52,14 +56,16 @@ from ..protocol import (
 from .runtime import AgentRuntime, Turn
 from .turns import Verdict, drive, note_failure, prompt_blocks, reply_key, tools_server, verdict
 
-__all__ = ["ApiAgent", "ApiStats"]
+__all__ = ["ApiAgent", "ApiStats", "turn_document"]
 
 logger = logging.getLogger(__name__)
 
 # What a request that did not get through raises.
 NETWORK_ERRORS = (OSError, http.client.HTTPException)
-# The text of the agent's turn kept in memory (not stored in this mode).
-TRANSCRIPT_BYTES = 65536
+# The text of the agent's turn kept, and the most its settle's turn document takes
+# (encoded), within the server's default body bound (64 KiB).
+TRANSCRIPT_BYTES = 16384
+TURN_DOCUMENT_BYTES = 48 * 1024
 # The longest pause after a claim that did not get through.
 MAX_BACKOFF = 5.0
 # Refusals of a renew that say the lease cannot be live any more: the key revoked or
@@ -84,6 +90,30 @@ class ApiStats:
 
     def line(self) -> str:
         return " ".join(f"{item.name}={getattr(self, item.name)}" for item in fields(self))
+
+
+def turn_document(turn: Turn, budget: int = TURN_DOCUMENT_BYTES) -> dict[str, Any]:
+    """What the agent said in ``turn``, as a settle sends it, encoded in at most
+    ``budget`` bytes: its tool calls and permission requests halved, then its text,
+    until it fits."""
+    tool_calls = list(turn.tool_calls.values())
+    permissions = list(turn.permissions)
+    text = turn.text
+    while True:
+        document = {
+            "text": text,
+            "said_bytes": turn.said,
+            "stop_reason": None if turn.stop_reason is None else turn.stop_reason[:100],
+            "tool_calls": tool_calls,
+            "permissions": permissions,
+        }
+        if len(json.dumps(document).encode()) <= budget:
+            return document
+        if tool_calls or permissions:
+            tool_calls = tool_calls[: len(tool_calls) // 2]
+            permissions = permissions[: len(permissions) // 2]
+        else:
+            text = text.encode()[: len(text.encode()) // 2].decode(errors="ignore")
 
 
 def _error_text(error: BaseException | None) -> str:
@@ -304,7 +334,8 @@ class ApiAgent:
         elif why == "stopping":
             self._release(client, lease)
         else:
-            self._settle(client, lease, verdict(turn, why, self.turn_timeout))
+            found = verdict(turn, why, self.turn_timeout)
+            self._settle(client, lease, found, turn_document(turn))
 
     def _retrying(self, action: Callable[[], Any], lease: Lease) -> Any:
         """``action()``, tried again after a request that did not get through for as
@@ -321,16 +352,38 @@ class ApiAgent:
                 time.sleep(backoff)
                 backoff = min(MAX_BACKOFF, backoff * 2)
 
-    def _settle(self, client: AgentClient, lease: Lease, found: Verdict) -> None:
+    def _settle(
+        self, client: AgentClient, lease: Lease, found: Verdict, turn: dict | None = None
+    ) -> None:
         if found.settle == "finished":
-            result = self._retrying(lambda: client.finish(lease, "finished"), lease)
+
+            def settle(turn: dict | None) -> Any:
+                return client.finish(lease, "finished", turn=turn)
+
         elif found.settle == "failed":
             reason = found.reason or "the turn failed"
-            result = self._retrying(lambda: client.fail(lease, reason), lease)
+
+            def settle(turn: dict | None) -> Any:
+                return client.fail(lease, reason, turn=turn)
+
         else:
             logger.info("delivery %s will be retried: %s", lease.delivery_id, found.error)
             error = _error_text(found.error)
-            result = self._retrying(lambda: client.retry(lease, error), lease)
+
+            def settle(turn: dict | None) -> Any:
+                return client.retry(lease, error, turn=turn)
+
+        try:
+            result = self._retrying(lambda: settle(turn), lease)
+        except AgentApiError as exc:
+            if turn is None or exc.status not in (400, 413):
+                raise
+            # The server keeps a smaller transcript, or takes smaller bodies: the
+            # settle counts more than what the agent said.
+            logger.warning(
+                "the turn of %s was refused (%s); settling without it", lease.delivery_id, exc
+            )
+            result = self._retrying(lambda: settle(None), lease)
         if isinstance(result, Settled):
             self._count(result.outcome.value)
         elif isinstance(result, AlreadyTerminal):

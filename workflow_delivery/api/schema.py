@@ -29,6 +29,9 @@ BIGINT_MAX = 2**63 - 1
 ERROR_TEXT_MAX = 4000
 # The longest idempotency key of a reply.
 MAX_REPLY_KEY = 200
+# A turn's tool calls and permission requests kept at most, and the longest string of one.
+TURN_ENTRIES_MAX = 200
+TURN_FIELD_MAX = 300
 # The most agents one reply is sent to (one statement commits its deliveries).
 MAX_REPLY_TARGETS = 1000
 
@@ -111,6 +114,44 @@ class RenewIn(_Strict):
     lease_seconds: LeaseSeconds | None = None
 
 
+Clipped = Annotated[str, Field(max_length=TURN_FIELD_MAX)]
+
+
+class ToolCallIn(_Strict):
+    id: Clipped
+    title: Clipped | None = None
+    kind: Clipped | None = None
+    status: Clipped | None = None
+
+
+class PermissionIn(_Strict):
+    title: Clipped
+    kind: Clipped
+    options: Annotated[list[Clipped], Field(max_length=10)] = []
+    answer: Literal["allowed", "denied"]
+    option: Clipped | None = None
+
+
+class TurnIn(_Strict):
+    """What an ACP agent said in the turn of this attempt, stored with the settle."""
+
+    text: str = Field(
+        description="its streamed text, at most WORKFLOW_DELIVERY_ACP_TRANSCRIPT_BYTES bytes"
+    )
+    said_bytes: Annotated[StrictInt, Field(ge=0, le=2**31 - 1)] = Field(
+        description="the bytes it said in all (more than `text` holds when that was cut)"
+    )
+    stop_reason: Annotated[str, Field(max_length=100)] | None = None
+    tool_calls: Annotated[list[ToolCallIn], Field(max_length=TURN_ENTRIES_MAX)] = []
+    permissions: Annotated[list[PermissionIn], Field(max_length=TURN_ENTRIES_MAX)] = []
+
+
+_TURN = (
+    "what the agent said in the turn of this attempt, stored with the settle in its "
+    "transaction (shown on the delivery's admin page); not with `next`"
+)
+
+
 class FinishIn(_Strict):
     generation: Generation
     outcome: Literal["finished", "failed"]
@@ -131,6 +172,7 @@ class FinishIn(_Strict):
             "last error; a failure for good, never retried"
         ),
     )
+    turn: TurnIn | None = Field(None, description=_TURN)
 
 
 class RetryIn(_Strict):
@@ -143,6 +185,7 @@ class RetryIn(_Strict):
             "backoff, growing with the attempts used"
         ),
     )
+    turn: TurnIn | None = Field(None, description=_TURN)
 
 
 class RetryOut(Schema):

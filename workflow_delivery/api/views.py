@@ -48,6 +48,7 @@ from ..protocol import (
     as_uuid,
 )
 from ..store.run import one_transaction
+from ..validation import AGENT_TURN_TEXT_MAX_BYTES
 from . import schema
 from .asgi import CommunityBusy, community_slot
 from .auth import ApiError, NostrAuth, Signed, request_event
@@ -436,12 +437,13 @@ def _finish_document(result: Settled | AlreadyTerminal) -> dict[str, str]:
 )
 @decorate_view(served_alone)
 def finish(request: HttpRequest, delivery_id: schema.Uuid, payload: schema.FinishIn):
-    if payload.error is not None:
-        if payload.outcome != Outcome.FAILED.value or payload.next:
-            raise ApiError(
-                400, "invalid_request", "error: only a failed outcome without next", "error"
-            )
-        return in_one_transaction(_fail_with_error)(request, delivery_id, payload)
+    if payload.error is not None and payload.outcome != Outcome.FAILED.value:
+        raise ApiError(400, "invalid_request", "error: only with a failed outcome", "error")
+    for name in ("error", "turn"):
+        if getattr(payload, name) is not None and payload.next:
+            raise ApiError(400, "invalid_request", f"{name}: not with next", name)
+    if payload.error is not None or payload.turn is not None:
+        return in_one_transaction(_settle_in_transaction)(request, delivery_id, payload)
     if payload.next:
         return _finish_and_claim_next(request, _delivery_id(delivery_id), payload)
     if payload.lease_seconds is not None:
@@ -459,16 +461,52 @@ def finish(request: HttpRequest, delivery_id: schema.Uuid, payload: schema.Finis
     return _answer(request, _finish_document(result))
 
 
-def _fail_with_error(
+def _settle_in_transaction(
     request: HttpRequest, delivery_id: str, payload: schema.FinishIn
 ) -> HttpResponse:
-    """Admitted, then settled failed with the reason kept, in the request's
+    """Admitted, then settled (failed with the reason kept, with ``error``), and the
+    agent's turn stored with the settle (with ``turn``), in the request's
     transaction."""
     lease = _lease(_caller(request), delivery_id, payload.generation)
-    result = services.finish_delivery(lease, Outcome.FAILED, error=payload.error)
+    outcome = Outcome(payload.outcome)
+    turn = _checked_turn(payload.turn)
+    result = services.finish_delivery(lease, outcome, error=payload.error)
     if isinstance(result, LeaseLost):
         return _lease_lost(request)
+    if turn is not None and isinstance(result, Settled):
+        record = services.get_delivery(lease.community_id, lease.delivery_id)
+        _keep_turn(lease, record.attempts, outcome.value, turn)
     return _answer(request, _finish_document(result))
+
+
+def _checked_turn(turn: schema.TurnIn | None) -> schema.TurnIn | None:
+    """The turn a settle carries, its text within the stored bound."""
+    if turn is None:
+        return None
+    size = len(turn.text.encode())
+    limit = min(app_settings.ACP_TRANSCRIPT_BYTES, AGENT_TURN_TEXT_MAX_BYTES)
+    if size > limit:
+        raise ApiError(
+            400, "invalid_request", f"turn.text: {size} bytes; at most {limit}", "turn.text"
+        )
+    if turn.said_bytes < size:
+        raise ApiError(
+            400, "invalid_request", "turn.said_bytes: less than the text holds", "turn.said_bytes"
+        )
+    return turn
+
+
+def _keep_turn(lease: Lease, attempts: int, outcome: str, turn: schema.TurnIn) -> None:
+    services.keep_agent_turn(
+        lease,
+        attempts=attempts,
+        outcome=outcome,
+        text=turn.text,
+        said_bytes=turn.said_bytes,
+        stop_reason=turn.stop_reason,
+        tool_calls=[call.model_dump() for call in turn.tool_calls],
+        permissions=[asked.model_dump() for asked in turn.permissions],
+    )
 
 
 @api.post(
@@ -479,11 +517,15 @@ def _fail_with_error(
 @decorate_view(in_one_transaction)
 def retry(request: HttpRequest, delivery_id: schema.Uuid, payload: schema.RetryIn):
     lease = _lease(_caller(request), delivery_id, payload.generation)
+    turn = _checked_turn(payload.turn)
     result = services.retry_delivery(
         lease, error=payload.error, delay_seconds=payload.delay_seconds
     )
     if isinstance(result, LeaseLost):
         return _lease_lost(request)
+    if turn is not None:
+        outcome = "failed" if isinstance(result, Exhausted) else "retried"
+        _keep_turn(lease, result.attempts, outcome, turn)
     if isinstance(result, Exhausted):
         return _answer(request, {"result": "exhausted", "attempts": result.attempts})
     document = {
