@@ -10,9 +10,8 @@ delivery (the API's ``wait``, woken by the producers' notifications), a turn, a
 settle. While a turn runs its worker renews the lease every ``LIVENESS_INTERVAL``
 seconds; a renew answered ``lease_lost`` (or refused because the key was revoked or
 the community is gone) cancels the turn at once (fenced: no tool call does anything
-from then on) and settles nothing. A renew that cannot get
-through keeps the turn going until the lease, counted from the last renew that did,
-would have run out.
+from then on) and settles nothing. A renew that cannot get through keeps the turn
+going until the lease, counted from the last renew that did, would have run out.
 
 Settling follows the turn's verdict: ``finished``, ``failed`` with the reason kept
 (``finish`` with ``error``), or retried with the error kept (``retry``: the server's

@@ -442,14 +442,14 @@ def finish(request: HttpRequest, delivery_id: schema.Uuid, payload: schema.Finis
     for name in ("error", "turn"):
         if getattr(payload, name) is not None and payload.next:
             raise ApiError(400, "invalid_request", f"{name}: not with next", name)
-    if payload.error is not None or payload.turn is not None:
-        return in_one_transaction(_settle_in_transaction)(request, delivery_id, payload)
     if payload.next:
         return _finish_and_claim_next(request, _delivery_id(delivery_id), payload)
     if payload.lease_seconds is not None:
         raise ApiError(
             400, "invalid_request", "lease_seconds: only a finish with next claims", "lease_seconds"
         )
+    if payload.error is not None or payload.turn is not None:
+        return in_one_transaction(_settle_in_transaction)(request, delivery_id, payload)
     result = services.finish_admitted(
         request_event(_signed(request)),
         _delivery_id(delivery_id),
