@@ -47,6 +47,8 @@ def command(owner, agent, *extra: str, agent_command=AGENT) -> list[str]:
         "5",
         "--poll-interval",
         "0.2",
+        "--handshake-timeout",
+        "60",
         *extra,
         "--",
         *agent_command,
@@ -80,6 +82,20 @@ def test_an_agent_that_cannot_start_is_a_clear_error_and_claims_nothing(
     assert expected in result.stderr
     row = WorkflowAgentDelivery.objects.get(id=delivery)
     assert row.status == "pending" and row.attempts == 0
+
+
+def test_the_handshake_timeout_is_an_option(pending):
+    owner, agent, delivery = pending
+    result = subprocess.run(
+        [*command(owner, agent)[:-3], "--handshake-timeout", "0.5", "--", *AGENT],
+        env=environment(ACP_AGENT_MODE="mute"),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode != 0
+    assert "did not answer initialize within 0.5 s" in result.stderr
+    assert WorkflowAgentDelivery.objects.get(id=delivery).attempts == 0
 
 
 def test_sigterm_cancels_the_turn_releases_its_lease_and_exits_zero(pending):

@@ -46,6 +46,8 @@ def acp_agent(owner, agent, **options) -> AcpAgent:
     options.setdefault("lease_seconds", 2)
     options.setdefault("poll_interval", 0.1)
     options.setdefault("grace_seconds", 2.0)
+    # Generous on a loaded machine: the agent's interpreter starts and imports two SDKs.
+    options.setdefault("handshake_timeout", 60)
     return AcpAgent(owner.id, agent, options.pop("command", AGENT), **options)
 
 

@@ -9,7 +9,7 @@ import inspect
 from workflow_delivery import services
 from workflow_delivery.services import sending
 
-AUDIENCES = ["producer", "holder", "maintenance", "operator", "replay"]
+AUDIENCES = ["producer", "holder", "maintenance", "operator", "replay", "replies"]
 
 
 def audience_modules():

@@ -33,12 +33,15 @@ from .protocol import (
     DeliveryBinding,
     DeliveryRecord,
     DeliveryStatus,
+    Exhausted,
     FinishedAndNext,
     Lease,
     LeaseLost,
     MessageEvent,
     Outcome,
     Renewed,
+    Replied,
+    Retried,
     Settled,
     WakeHint,
 )
@@ -287,14 +290,119 @@ class AgentClient:
             raise self._refusal(status, answer)
         return Renewed(lease_until=wire.parse_instant(answer["lease_until"]))
 
-    def finish(self, lease: Lease, outcome: Outcome | str) -> Settled | AlreadyTerminal | LeaseLost:
-        document = {"generation": lease.generation, "outcome": Outcome(outcome).value}
+    def finish(
+        self, lease: Lease, outcome: Outcome | str, *, turn: dict | None = None
+    ) -> Settled | AlreadyTerminal | LeaseLost:
+        """Settle the lease once. ``turn``: what an ACP agent said in the turn of
+        this attempt (``text``, ``said_bytes``, ``stop_reason``, ``tool_calls``,
+        ``permissions``), stored with the settle."""
+        document: dict[str, object] = {
+            "generation": lease.generation,
+            "outcome": Outcome(outcome).value,
+        }
+        if turn is not None:
+            document["turn"] = turn
         status, answer = self.request("POST", f"v1/deliveries/{lease.delivery_id}/finish", document)
         if self._lease_lost(status, answer):
             return LeaseLost()
         if status != 200:
             raise self._refusal(status, answer)
         return self._settlement(answer)
+
+    def fail(
+        self, lease: Lease, reason: str, *, turn: dict | None = None
+    ) -> Settled | AlreadyTerminal | LeaseLost:
+        """Settle the lease ``failed`` for good, ``reason`` kept as the delivery's last
+        error (never retried); ``turn`` as ``finish`` takes it."""
+        document: dict[str, object] = {
+            "generation": lease.generation,
+            "outcome": "failed",
+            "error": reason,
+        }
+        if turn is not None:
+            document["turn"] = turn
+        status, answer = self.request("POST", f"v1/deliveries/{lease.delivery_id}/finish", document)
+        if self._lease_lost(status, answer):
+            return LeaseLost()
+        if status != 200:
+            raise self._refusal(status, answer)
+        return self._settlement(answer)
+
+    def retry(
+        self,
+        lease: Lease,
+        error: str,
+        *,
+        delay_seconds: float | None = None,
+        turn: dict | None = None,
+    ) -> Retried | Exhausted | LeaseLost:
+        """Give the live lease back after a failed attempt, ``error`` kept: pending
+        again after the server's backoff (or ``delay_seconds``), or settled failed
+        once every attempt is used (``Exhausted``); ``turn`` as ``finish`` takes it."""
+        document: dict[str, object] = {"generation": lease.generation, "error": error}
+        if delay_seconds is not None:
+            document["delay_seconds"] = delay_seconds
+        if turn is not None:
+            document["turn"] = turn
+        status, answer = self.request("POST", f"v1/deliveries/{lease.delivery_id}/retry", document)
+        if self._lease_lost(status, answer):
+            return LeaseLost()
+        if status != 200:
+            raise self._refusal(status, answer)
+        if answer["result"] == "exhausted":
+            return Exhausted(attempts=answer["attempts"])
+        return Retried(
+            available_at=wire.parse_instant(answer["available_at"]), attempts=answer["attempts"]
+        )
+
+    def release(self, lease: Lease) -> bool:
+        """Give the live lease back unattempted (pending again at once); False when
+        it was no longer live."""
+        document = {"generation": lease.generation}
+        path = f"v1/deliveries/{lease.delivery_id}/release"
+        status, answer = self.request("POST", path, document)
+        if self._lease_lost(status, answer):
+            return False
+        if status != 200:
+            raise self._refusal(status, answer)
+        return True
+
+    def reply(
+        self, lease: Lease, content: str, to: list[str], *, idempotency_key: str
+    ) -> Replied | LeaseLost:
+        """Reply to the held delivery: a message of its run, tagged as a reply to its
+        message, sent to the enrolled agents ``to`` (64 hex each), committed only
+        under the live lease. The same ``idempotency_key`` for the same delivery
+        sends once. Bad content or a key outside the roster is an ``AgentApiError``."""
+        document = {
+            "generation": lease.generation,
+            "content": content,
+            "to": list(to),
+            "idempotency_key": idempotency_key,
+        }
+        status, answer = self.request("POST", f"v1/deliveries/{lease.delivery_id}/reply", document)
+        if self._lease_lost(status, answer):
+            return LeaseLost()
+        if status != 200:
+            raise self._refusal(status, answer)
+        return Replied(
+            message_id=bytes.fromhex(answer["message_id"]),
+            run_id=UUID(answer["run_id"]),
+            step_id=answer["step_id"],
+            created=answer["created"],
+            deliveries=tuple(UUID(item) for item in answer["deliveries"]),
+        )
+
+    def replies(self, delivery_id: UUID | str) -> list[dict[str, str]] | None:
+        """The replies stored so far in the run of one of this agent's deliveries
+        (each its ``id``, ``content`` and ``pubkey``); None when the delivery is
+        missing or someone else's."""
+        status, answer = self.request("GET", f"v1/deliveries/{delivery_id}/replies")
+        if status == 404 and (answer or {}).get("error") == "not_found":
+            return None
+        if status != 200:
+            raise self._refusal(status, answer)
+        return list(answer["replies"])
 
     def finish_and_claim_next(
         self, lease: Lease, outcome: Outcome | str, *, lease_seconds: int | None = None

@@ -51,6 +51,7 @@ __all__ = [
     "RecordedError",
     "RenewResult",
     "Renewed",
+    "Replied",
     "RequestAdmission",
     "RequestEvent",
     "Retried",
@@ -511,6 +512,19 @@ class Exhausted:
     settled ``failed`` with its error kept, as the reaper settles such a lease."""
 
     attempts: int
+
+
+@dataclass(frozen=True, slots=True)
+class Replied:
+    """A reply sent to a held delivery, as the agent API answers it: the reply's
+    message id, its run and step, the deliveries of it, and whether this call sent
+    it (``created`` False: the same key's reply was already sent)."""
+
+    message_id: bytes
+    run_id: UUID
+    step_id: str
+    created: bool
+    deliveries: tuple[UUID, ...]
 
 
 @dataclass(frozen=True, slots=True)

@@ -112,6 +112,10 @@ def test_openapi_document_is_served_and_names_every_endpoint(client):
         "/agents/v1/finish/batch",
         "/agents/v1/deliveries/{delivery_id}/renew",
         "/agents/v1/deliveries/{delivery_id}/finish",
+        "/agents/v1/deliveries/{delivery_id}/retry",
+        "/agents/v1/deliveries/{delivery_id}/release",
+        "/agents/v1/deliveries/{delivery_id}/reply",
+        "/agents/v1/deliveries/{delivery_id}/replies",
         "/agents/v1/deliveries/{delivery_id}",
         "/agents/v1/wait",
     }

@@ -20,14 +20,25 @@ from ..protocol import (
     ScheduleCause,
     WebhookCause,
 )
+from ..validation import LEASE_SECONDS_BOUND
 
 UUID_PATTERN = r"^[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$"
 HEX32_PATTERN = r"^[0-9a-f]{64}$"
 BIGINT_MAX = 2**63 - 1
+# The longest reason a settle or a retry sends (the stored message is cut shorter).
+ERROR_TEXT_MAX = 4000
+# The longest idempotency key of a reply.
+MAX_REPLY_KEY = 200
+# A turn's tool calls and permission requests kept at most, and the longest string of one.
+TURN_ENTRIES_MAX = 200
+TURN_FIELD_MAX = 300
+# The most agents one reply is sent to (one statement commits its deliveries).
+MAX_REPLY_TARGETS = 1000
 
 Uuid = Annotated[str, Field(pattern=UUID_PATTERN, description="canonical lowercase UUID")]
 Hex32 = Annotated[str, Field(pattern=HEX32_PATTERN, description="32 bytes as lowercase hex")]
 Instant = Annotated[str, Field(json_schema_extra={"format": "date-time"})]
+ErrorText = Annotated[str, Field(min_length=1, max_length=ERROR_TEXT_MAX)]
 LeaseSeconds = Annotated[StrictInt, Field(ge=1, le=BIGINT_MAX)]
 Generation = Annotated[StrictInt, Field(ge=0, le=BIGINT_MAX)]
 
@@ -103,6 +114,44 @@ class RenewIn(_Strict):
     lease_seconds: LeaseSeconds | None = None
 
 
+Clipped = Annotated[str, Field(max_length=TURN_FIELD_MAX)]
+
+
+class ToolCallIn(_Strict):
+    id: Clipped
+    title: Clipped | None = None
+    kind: Clipped | None = None
+    status: Clipped | None = None
+
+
+class PermissionIn(_Strict):
+    title: Clipped
+    kind: Clipped
+    options: Annotated[list[Clipped], Field(max_length=10)] = []
+    answer: Literal["allowed", "denied"]
+    option: Clipped | None = None
+
+
+class TurnIn(_Strict):
+    """What an ACP agent said in the turn of this attempt, stored with the settle."""
+
+    text: str = Field(
+        description="its streamed text, at most WORKFLOW_DELIVERY_ACP_TRANSCRIPT_BYTES bytes"
+    )
+    said_bytes: Annotated[StrictInt, Field(ge=0, le=2**31 - 1)] = Field(
+        description="the bytes it said in all (more than `text` holds when that was cut)"
+    )
+    stop_reason: Annotated[str, Field(max_length=100)] | None = None
+    tool_calls: Annotated[list[ToolCallIn], Field(max_length=TURN_ENTRIES_MAX)] = []
+    permissions: Annotated[list[PermissionIn], Field(max_length=TURN_ENTRIES_MAX)] = []
+
+
+_TURN = (
+    "what the agent said in the turn of this attempt, stored with the settle in its "
+    "transaction (shown on the delivery's admin page); not with `next`"
+)
+
+
 class FinishIn(_Strict):
     generation: Generation
     outcome: Literal["finished", "failed"]
@@ -116,6 +165,78 @@ class FinishIn(_Strict):
     lease_seconds: LeaseSeconds | None = Field(
         None, description="the lease of the delivery claimed with `next`"
     )
+    error: ErrorText | None = Field(
+        None,
+        description=(
+            "only with `failed` (and without `next`): the reason, kept as the delivery's "
+            "last error; a failure for good, never retried"
+        ),
+    )
+    turn: TurnIn | None = Field(None, description=_TURN)
+
+
+class RetryIn(_Strict):
+    generation: Generation
+    error: ErrorText = Field(description="why the attempt failed, kept as the last error")
+    delay_seconds: Annotated[float, Field(ge=0, le=LEASE_SECONDS_BOUND)] | None = Field(
+        None,
+        description=(
+            "seconds before the delivery may be claimed again; by default the server's "
+            "backoff, growing with the attempts used"
+        ),
+    )
+    turn: TurnIn | None = Field(None, description=_TURN)
+
+
+class RetryOut(Schema):
+    result: Literal["retried", "exhausted"] = Field(
+        description=(
+            "`retried`: pending again from `available_at`; `exhausted`: every attempt "
+            "is used, the delivery settled failed"
+        )
+    )
+    attempts: int
+    available_at: Instant | None = None
+
+
+class ReleaseIn(_Strict):
+    generation: Generation
+
+
+class ReleaseOut(Schema):
+    result: Literal["released"]
+
+
+class ReplyIn(_Strict):
+    generation: Generation
+    content: Annotated[str, Field(min_length=1)] = Field(
+        description="the reply's text (at most WORKFLOW_DELIVERY_ACP_REPLY_BYTES bytes)"
+    )
+    to: Annotated[list[Hex32], Field(min_length=1, max_length=MAX_REPLY_TARGETS)] = Field(
+        description="the enrolled agents the reply is delivered to"
+    )
+    idempotency_key: Annotated[str, Field(min_length=1, max_length=MAX_REPLY_KEY)] = Field(
+        description="the same key for the same delivery sends once"
+    )
+
+
+class ReplyOut(Schema):
+    message_id: Hex32
+    run_id: Uuid
+    step_id: str
+    created: bool = Field(description="false: this key's reply was already sent")
+    deliveries: list[Uuid]
+
+
+class ReplyItemOut(Schema):
+    id: Hex32
+    content: str
+    pubkey: Hex32
+
+
+class RepliesOut(Schema):
+    run_id: Uuid
+    replies: list[ReplyItemOut]
 
 
 class EventCauseOut(Schema):

@@ -1,5 +1,6 @@
-"""The agent HTTP API: claim, renew, finish, read and wait, each scoped to the key
-that signed the request, in the community named by the Host header.
+"""The agent HTTP API: claim, renew, finish (or fail with a reason, retry, release),
+reply, read and wait, each scoped to the key that signed the request, in the
+community named by the Host header.
 
 Results map to answers; everything else is ``{"error": code, "detail": text}`` with a
 stable code. The OpenAPI 3 document is derived from these views by django-ninja.
@@ -29,13 +30,16 @@ from ..exceptions import (
     CommunityDeleting,
     CommunityNotServed,
     CommunityWriteFenced,
+    LeaseNotLive,
     ProtocolError,
+    TargetNotEnrolled,
 )
 from ..models import WorkflowAgentDelivery
 from ..protocol import (
     AlreadyTerminal,
     Claimed,
     DeliveryRecord,
+    Exhausted,
     Lease,
     LeaseLost,
     MessageEvent,
@@ -46,6 +50,7 @@ from ..protocol import (
 )
 from ..store.errors import is_connection_lost
 from ..store.run import one_transaction
+from ..validation import AGENT_TURN_TEXT_MAX_BYTES
 from . import schema
 from .asgi import CommunityBusy, community_slot
 from .auth import ApiError, NostrAuth, Signed, request_event
@@ -159,6 +164,16 @@ def _fenced(request: HttpRequest, exc: CommunityWriteFenced) -> HttpResponse:
 @api.exception_handler(ProtocolError)
 def _protocol(request: HttpRequest, exc: ProtocolError) -> HttpResponse:
     return error(request, 400, "invalid_request", str(exc), exc.field)
+
+
+@api.exception_handler(TargetNotEnrolled)
+def _not_enrolled(request: HttpRequest, exc: TargetNotEnrolled) -> HttpResponse:
+    return error(request, 400, "target_not_enrolled", str(exc), "to")
+
+
+@api.exception_handler(LeaseNotLive)
+def _not_live(request: HttpRequest, exc: LeaseNotLive) -> HttpResponse:
+    return _lease_lost(request)
 
 
 @api.exception_handler(ValidationError)
@@ -442,12 +457,19 @@ def _finish_document(result: Settled | AlreadyTerminal) -> dict[str, str]:
 )
 @decorate_view(served_alone)
 def finish(request: HttpRequest, delivery_id: schema.Uuid, payload: schema.FinishIn):
+    if payload.error is not None and payload.outcome != Outcome.FAILED.value:
+        raise ApiError(400, "invalid_request", "error: only with a failed outcome", "error")
+    for name in ("error", "turn"):
+        if getattr(payload, name) is not None and payload.next:
+            raise ApiError(400, "invalid_request", f"{name}: not with next", name)
     if payload.next:
         return _finish_and_claim_next(request, _delivery_id(delivery_id), payload)
     if payload.lease_seconds is not None:
         raise ApiError(
             400, "invalid_request", "lease_seconds: only a finish with next claims", "lease_seconds"
         )
+    if payload.error is not None or payload.turn is not None:
+        return in_one_transaction(_settle_in_transaction)(request, delivery_id, payload)
     result = services.finish_admitted(
         request_event(_signed(request)),
         _delivery_id(delivery_id),
@@ -457,6 +479,134 @@ def finish(request: HttpRequest, delivery_id: schema.Uuid, payload: schema.Finis
     if isinstance(result, LeaseLost):
         return _lease_lost(request)
     return _answer(request, _finish_document(result))
+
+
+def _settle_in_transaction(
+    request: HttpRequest, delivery_id: str, payload: schema.FinishIn
+) -> HttpResponse:
+    """Admitted, then settled (failed with the reason kept, with ``error``), and the
+    agent's turn stored with the settle (with ``turn``), in the request's
+    transaction."""
+    lease = _lease(_caller(request), delivery_id, payload.generation)
+    outcome = Outcome(payload.outcome)
+    turn = _checked_turn(payload.turn)
+    result = services.finish_delivery(lease, outcome, error=payload.error)
+    if isinstance(result, LeaseLost):
+        return _lease_lost(request)
+    if turn is not None and isinstance(result, Settled):
+        record = services.get_delivery(lease.community_id, lease.delivery_id)
+        _keep_turn(lease, record.attempts, outcome.value, turn)
+    return _answer(request, _finish_document(result))
+
+
+def _checked_turn(turn: schema.TurnIn | None) -> schema.TurnIn | None:
+    """The turn a settle carries, its text within the stored bound."""
+    if turn is None:
+        return None
+    size = len(turn.text.encode())
+    limit = min(app_settings.ACP_TRANSCRIPT_BYTES, AGENT_TURN_TEXT_MAX_BYTES)
+    if size > limit:
+        raise ApiError(
+            400, "invalid_request", f"turn.text: {size} bytes; at most {limit}", "turn.text"
+        )
+    if turn.said_bytes < size:
+        raise ApiError(
+            400, "invalid_request", "turn.said_bytes: less than the text holds", "turn.said_bytes"
+        )
+    return turn
+
+
+def _keep_turn(lease: Lease, attempts: int, outcome: str, turn: schema.TurnIn) -> None:
+    services.keep_agent_turn(
+        lease,
+        attempts=attempts,
+        outcome=outcome,
+        text=turn.text,
+        said_bytes=turn.said_bytes,
+        stop_reason=turn.stop_reason,
+        tool_calls=[call.model_dump() for call in turn.tool_calls],
+        permissions=[asked.model_dump() for asked in turn.permissions],
+    )
+
+
+@api.post(
+    "v1/deliveries/{delivery_id}/retry",
+    response={200: schema.RetryOut, **ERRORS},
+    summary="Give a live lease back after a failed attempt, its error kept, to be retried",
+)
+@decorate_view(in_one_transaction)
+def retry(request: HttpRequest, delivery_id: schema.Uuid, payload: schema.RetryIn):
+    lease = _lease(_caller(request), delivery_id, payload.generation)
+    turn = _checked_turn(payload.turn)
+    result = services.retry_delivery(
+        lease, error=payload.error, delay_seconds=payload.delay_seconds
+    )
+    if isinstance(result, LeaseLost):
+        return _lease_lost(request)
+    if turn is not None:
+        outcome = "failed" if isinstance(result, Exhausted) else "retried"
+        _keep_turn(lease, result.attempts, outcome, turn)
+    if isinstance(result, Exhausted):
+        return _answer(request, {"result": "exhausted", "attempts": result.attempts})
+    document = {
+        "result": "retried",
+        "attempts": result.attempts,
+        "available_at": wire.instant(result.available_at),
+    }
+    return _answer(request, document)
+
+
+@api.post(
+    "v1/deliveries/{delivery_id}/release",
+    response={200: schema.ReleaseOut, **ERRORS},
+    summary="Give a live lease back unattempted: pending again at once",
+)
+@decorate_view(in_one_transaction)
+def release(request: HttpRequest, delivery_id: schema.Uuid, payload: schema.ReleaseIn):
+    lease = _lease(_caller(request), delivery_id, payload.generation)
+    if not services.release_lease(lease):
+        return _lease_lost(request)
+    return _answer(request, {"result": "released"})
+
+
+@api.post(
+    "v1/deliveries/{delivery_id}/reply",
+    response={200: schema.ReplyOut, **ERRORS},
+    summary="Reply to a held delivery: a message of its run, sent to enrolled agents",
+)
+@decorate_view(in_one_transaction)
+def reply(request: HttpRequest, delivery_id: schema.Uuid, payload: schema.ReplyIn):
+    lease = _lease(_caller(request), delivery_id, payload.generation)
+    sent = services.reply_to_delivery(
+        lease, content=payload.content, to=payload.to, idempotency_key=payload.idempotency_key
+    )
+    document = {
+        "message_id": sent.message.id.hex(),
+        "run_id": str(sent.run_id),
+        "step_id": sent.step_id,
+        "created": sent.created,
+        "deliveries": [str(record.id) for record in sent.deliveries],
+    }
+    return _answer(request, document)
+
+
+@api.get(
+    "v1/deliveries/{delivery_id}/replies",
+    response={200: schema.RepliesOut, **ERRORS},
+    summary="The replies stored so far in the run of one of the caller's deliveries",
+)
+@decorate_view(in_one_transaction)
+def replies(request: HttpRequest, delivery_id: schema.Uuid):
+    caller = _caller(request)
+    record = services.get_delivery(caller.community_id, _delivery_id(delivery_id))
+    if record is None or record.binding.target_pubkey != caller.pubkey:
+        raise Http404
+    run_id = record.binding.run_id
+    document = {
+        "run_id": str(run_id),
+        "replies": services.run_replies(caller.community_id, run_id),
+    }
+    return _answer(request, document)
 
 
 def _finish_and_claim_next(

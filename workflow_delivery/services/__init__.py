@@ -6,7 +6,8 @@
   back, hold its row for fenced effects, wait idle, read it;
 - ``maintenance``: the reaper's and the prune command's sweeps;
 - ``operator``: the admin's bulk release, fail and retry;
-- ``replay``: the signed API's request admission and replay guard.
+- ``replay``: the signed API's request admission and replay guard;
+- ``replies``: an agent's reply to a delivery it holds, under its lease.
 
 Import the functions from here. They own their transaction (or join the caller's),
 take the database clock for every time, and return frozen values from ``protocol``.
@@ -56,6 +57,7 @@ from .replay import (
     prune_replay_guard_now_and_then,
     record_request_event,
 )
+from .replies import reply_to_delivery, run_replies, send_reply
 from .sending import send_message
 
 __all__ = [
@@ -96,8 +98,11 @@ __all__ = [
     "release_lease",
     "renew_admitted",
     "renew_delivery",
+    "reply_to_delivery",
     "retry_delivery",
     "retry_failed_deliveries",
+    "run_replies",
     "send_message",
+    "send_reply",
     "unregister_idle",
 ]

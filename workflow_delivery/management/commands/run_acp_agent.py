@@ -34,6 +34,12 @@ class Command(BaseCommand):
         parser.add_argument("--concurrency", type=int, default=1, help="turns in flight at most")
         parser.add_argument("--max-deliveries", type=int, help="stop after this many")
         parser.add_argument("--turn-timeout", type=float, help="seconds before a turn is cancelled")
+        parser.add_argument(
+            "--handshake-timeout",
+            type=float,
+            default=10.0,
+            help="seconds the agent has to answer initialize (default %(default)s)",
+        )
         parser.add_argument("--poll-interval", type=float, default=2.0, help=POLL_HELP)
         parser.add_argument("--database", default="default", help="database alias")
         parser.add_argument("agent_command", nargs="+", help="the ACP agent command, after --")
@@ -47,6 +53,7 @@ class Command(BaseCommand):
         positive("--lease-seconds", options["lease_seconds"], whole=True)
         positive("--concurrency", options["concurrency"], whole=True)
         positive("--poll-interval", options["poll_interval"], whole=False)
+        positive("--handshake-timeout", options["handshake_timeout"], whole=False)
         if options["max_deliveries"] is not None:
             positive("--max-deliveries", options["max_deliveries"], whole=True)
         if options["turn_timeout"] is not None:
@@ -62,6 +69,7 @@ class Command(BaseCommand):
                 concurrency=options["concurrency"],
                 max_deliveries=options["max_deliveries"],
                 turn_timeout=options["turn_timeout"],
+                handshake_timeout=options["handshake_timeout"],
                 poll_interval=options["poll_interval"],
                 using=using,
             )
