@@ -92,6 +92,9 @@ ADMIN_USER = "chaos-admin"
 # tries before it counts the server as not recovered.
 PROBE_BOUND = 30.0
 PROBE_LIMIT = 60.0
+# Seconds the waker goes on sending after the last loss of the primary was recovered
+# from, so that the waiting agents' next waits have sends to be woken by.
+WAKE_AFTER_LOSS = 20.0
 
 
 @dataclass
@@ -258,8 +261,16 @@ class Harness:
         ]
         for index, tenant in enumerate(self.communities):
             tenant["host"] = f"chaos-{index}-{tenant['id'][:8]}.example"
-        # Two keys, each served through both servers when there are HTTP agents.
-        self.http_secrets = [os.urandom(32).hex() for _ in range(2 if self.http_servers else 0)]
+        # Half the HTTP agents wait, each on a key of its own that only the waker sends
+        # to; the others share one key (two when there are enough of them to serve each
+        # through both servers).
+        http_agents = config.http_agents if self.http_servers else 0
+        waiting = http_agents // 2
+        regular = http_agents - waiting
+        shared = 0 if not regular else 2 if regular >= 2 * len(self.http_servers) else 1
+        self.http_secrets = [os.urandom(32).hex() for _ in range(shared)]
+        self.http_wait_secrets = [os.urandom(32).hex() for _ in range(waiting)]
+        self.recovered_at: float | None = None
         worker_config = {
             "database_url": server.url,
             "journal_dir": str(self.journal_dir),
@@ -283,6 +294,9 @@ class Harness:
             "stuck_after": 0.55 * config.seconds,
             "http_servers": [{"name": n, "url": u} for n, u in self.http_servers.items()],
             "http_secrets": self.http_secrets,
+            "http_agents": http_agents,
+            "http_waiting_agents": waiting,
+            "http_wait_secrets": self.http_wait_secrets,
             "http_idle_poll": config.http_idle_poll,
         }
         config_path = run_dir / "config.json"
@@ -300,7 +314,8 @@ class Harness:
     def http_targets(self) -> list[bytes]:
         from workflow_delivery import keys
 
-        return [keys.public_key_bytes(bytes.fromhex(key)) for key in self.http_secrets]
+        secrets = self.http_secrets + self.http_wait_secrets
+        return [keys.public_key_bytes(bytes.fromhex(key)) for key in secrets]
 
     # -- faults ---------------------------------------------------------------------------
 
@@ -425,6 +440,7 @@ class Harness:
         self.journal.write("failover", **vars(event))
         for name, url in self.http_servers.items():
             self.probe_server(name, url, event.killed_at)
+        self.recovered_at = time.monotonic()
 
     def probe_server(self, name: str, url: str, lost_at: float) -> None:
         """After a loss of the primary: the admin (a superuser logs in and lists the
@@ -498,6 +514,8 @@ class Harness:
             self.fleet.spawn("http", index)
         for index in range(config.producers):
             self.fleet.spawn("producer", index)
+        if self.http_wait_secrets:
+            self.fleet.spawn("waker", 0)
         if config.huge_step_targets:
             self.fleet.spawn("deleter", 0)
         for index in range(config.stuck_holders):
@@ -507,7 +525,7 @@ class Harness:
         drops = 0
         while pending or time.monotonic() - started < config.seconds:
             if STOP.is_set():
-                roles = ["producer", "deleter", "stuck", "agent", "http", "reaper"]
+                roles = ["producer", "deleter", "stuck", "waker", "agent", "http", "reaper"]
                 self.fleet.stop(roles, timeout=10)
                 return
             self.fleet.supervise(respawn=True)
@@ -556,6 +574,13 @@ class Harness:
             self.release_stalls()
             time.sleep(0.2)
         self.fleet.stop(["producer", "deleter", "stuck"], timeout=60)
+        # The waiting agents' waits after the last loss need sends to be woken by.
+        until = (self.recovered_at or 0.0) + WAKE_AFTER_LOSS
+        while time.monotonic() < until and not STOP.is_set():
+            self.fleet.supervise(respawn=True)
+            self.release_stalls()
+            time.sleep(0.2)
+        self.fleet.stop(["waker"], timeout=60)
         deadline = time.monotonic() + config.drain_seconds
         while time.monotonic() < deadline and not STOP.is_set():
             self.fleet.supervise(respawn=True)
