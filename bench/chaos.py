@@ -41,7 +41,14 @@ through each server, claim and finish deliveries addressed to their own keys, jo
 and checked like the others' (without an effect row). After each loss of the primary the
 harness logs in to the admin and makes a signed read through each server until both
 answer; the summary adds the HTTP requests, those not answered in time (hung), and these
-probes.
+probes. Half of those agents (the last ones) wait instead: each holds a key of its own,
+to which only a waker process sends (``send_message``, about one a second in all, until
+20 s after the last loss was recovered from), and parks by turns in a waiting claim
+(``claim(wait=10)``) and in ``wait(10)`` followed by a claim. Each wait is journaled with
+its answer; the check counts those in flight at each loss, fails the run when one was not
+answered within its seconds plus 30, or when after a loss no wait through a server was
+woken by a send (answered with a delivery sent a second or more after the wait began)
+before the run ended.
 """
 
 from __future__ import annotations
