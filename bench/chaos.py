@@ -41,7 +41,14 @@ through each server, claim and finish deliveries addressed to their own keys, jo
 and checked like the others' (without an effect row). After each loss of the primary the
 harness logs in to the admin and makes a signed read through each server until both
 answer; the summary adds the HTTP requests, those not answered in time (hung), and these
-probes.
+probes. Half of those agents (the last ones) wait instead: each holds a key of its own,
+to which only a waker process sends (``send_message``, about one a second in all, until
+20 s after the last loss was recovered from), and parks by turns in a waiting claim
+(``claim(wait=10)``) and in ``wait(10)`` followed by a claim. Each wait is journaled with
+its answer; the check counts those in flight at each loss, fails the run when one was not
+answered within its seconds plus 30, or when after a loss no wait through a server was
+woken by a send (answered with a delivery sent a second or more after the wait began)
+before the run ended.
 """
 
 from __future__ import annotations
@@ -92,6 +99,9 @@ ADMIN_USER = "chaos-admin"
 # tries before it counts the server as not recovered.
 PROBE_BOUND = 30.0
 PROBE_LIMIT = 60.0
+# Seconds the waker goes on sending after the last loss of the primary was recovered
+# from, so that the waiting agents' next waits have sends to be woken by.
+WAKE_AFTER_LOSS = 20.0
 
 
 @dataclass
@@ -258,8 +268,16 @@ class Harness:
         ]
         for index, tenant in enumerate(self.communities):
             tenant["host"] = f"chaos-{index}-{tenant['id'][:8]}.example"
-        # Two keys, each served through both servers when there are HTTP agents.
-        self.http_secrets = [os.urandom(32).hex() for _ in range(2 if self.http_servers else 0)]
+        # Half the HTTP agents wait, each on a key of its own that only the waker sends
+        # to; the others share one key (two when there are enough of them to serve each
+        # through both servers).
+        http_agents = config.http_agents if self.http_servers else 0
+        waiting = http_agents // 2
+        regular = http_agents - waiting
+        shared = 0 if not regular else 2 if regular >= 2 * len(self.http_servers) else 1
+        self.http_secrets = [os.urandom(32).hex() for _ in range(shared)]
+        self.http_wait_secrets = [os.urandom(32).hex() for _ in range(waiting)]
+        self.recovered_at: float | None = None
         worker_config = {
             "database_url": server.url,
             "journal_dir": str(self.journal_dir),
@@ -283,6 +301,9 @@ class Harness:
             "stuck_after": 0.55 * config.seconds,
             "http_servers": [{"name": n, "url": u} for n, u in self.http_servers.items()],
             "http_secrets": self.http_secrets,
+            "http_agents": http_agents,
+            "http_waiting_agents": waiting,
+            "http_wait_secrets": self.http_wait_secrets,
             "http_idle_poll": config.http_idle_poll,
         }
         config_path = run_dir / "config.json"
@@ -300,7 +321,8 @@ class Harness:
     def http_targets(self) -> list[bytes]:
         from workflow_delivery import keys
 
-        return [keys.public_key_bytes(bytes.fromhex(key)) for key in self.http_secrets]
+        secrets = self.http_secrets + self.http_wait_secrets
+        return [keys.public_key_bytes(bytes.fromhex(key)) for key in secrets]
 
     # -- faults ---------------------------------------------------------------------------
 
@@ -425,6 +447,7 @@ class Harness:
         self.journal.write("failover", **vars(event))
         for name, url in self.http_servers.items():
             self.probe_server(name, url, event.killed_at)
+        self.recovered_at = time.monotonic()
 
     def probe_server(self, name: str, url: str, lost_at: float) -> None:
         """After a loss of the primary: the admin (a superuser logs in and lists the
@@ -498,6 +521,8 @@ class Harness:
             self.fleet.spawn("http", index)
         for index in range(config.producers):
             self.fleet.spawn("producer", index)
+        if self.http_wait_secrets:
+            self.fleet.spawn("waker", 0)
         if config.huge_step_targets:
             self.fleet.spawn("deleter", 0)
         for index in range(config.stuck_holders):
@@ -507,7 +532,7 @@ class Harness:
         drops = 0
         while pending or time.monotonic() - started < config.seconds:
             if STOP.is_set():
-                roles = ["producer", "deleter", "stuck", "agent", "http", "reaper"]
+                roles = ["producer", "deleter", "stuck", "waker", "agent", "http", "reaper"]
                 self.fleet.stop(roles, timeout=10)
                 return
             self.fleet.supervise(respawn=True)
@@ -556,6 +581,13 @@ class Harness:
             self.release_stalls()
             time.sleep(0.2)
         self.fleet.stop(["producer", "deleter", "stuck"], timeout=60)
+        # The waiting agents' waits after the last loss need sends to be woken by.
+        until = (self.recovered_at or 0.0) + WAKE_AFTER_LOSS
+        while time.monotonic() < until and not STOP.is_set():
+            self.fleet.supervise(respawn=True)
+            self.release_stalls()
+            time.sleep(0.2)
+        self.fleet.stop(["waker"], timeout=60)
         deadline = time.monotonic() + config.drain_seconds
         while time.monotonic() < deadline and not STOP.is_set():
             self.fleet.supervise(respawn=True)

@@ -17,6 +17,12 @@ from typing import Any
 import psycopg
 
 TERMINAL = ("finished", "failed")
+# A wait answered later than its own seconds plus this is hung (the HTTP agents'
+# bound on a request, which their client's timeout enforces past the wait).
+WAIT_BOUND = 30.0
+# A wait answered with a delivery whose send began at least this long after the wait
+# was sent was parked when the send came: woken by it, not answered by its first look.
+WOKEN_MARGIN = 1.0
 
 
 @dataclass
@@ -82,6 +88,20 @@ class ChaosReport:
     http_settles: dict[str, int] = field(default_factory=dict)
     http_recovery_seconds: dict[str, list[float | None]] = field(default_factory=dict)
     probes: list[dict[str, Any]] = field(default_factory=list)
+    # The waiting HTTP agents: their waits and waiting claims by server, how they were
+    # answered, those not answered within their seconds plus WAIT_BOUND, those in
+    # flight at each loss, and those woken by a send (in all, after each loss until
+    # the next, and the seconds from each loss to the first).
+    waits_checked: bool = False
+    http_waits: dict[str, int] = field(default_factory=dict)
+    http_wait_answers: dict[str, int] = field(default_factory=dict)
+    http_waits_hung: int = 0
+    http_waits_at_loss: dict[str, list[int]] = field(default_factory=dict)
+    http_waits_at_loss_answers: dict[str, int] = field(default_factory=dict)
+    http_waits_at_loss_max_seconds: float | None = None
+    http_woken: dict[str, int] = field(default_factory=dict)
+    http_woken_after_failover: dict[str, list[int]] = field(default_factory=dict)
+    http_first_wake_seconds: dict[str, list[float | None]] = field(default_factory=dict)
     header: str = ""
 
     MUST_BE_ZERO = (
@@ -135,6 +155,15 @@ class ChaosReport:
         )
 
     @property
+    def waits_ok(self) -> bool:
+        """Every wait answered within its bound, and after each loss a wait on every
+        server woken by a send before the run ended."""
+        return not self.waits_checked or (
+            self.http_waits_hung == 0
+            and all(None not in seconds for seconds in self.http_first_wake_seconds.values())
+        )
+
+    @property
     def failovers_ok(self) -> bool:
         """Every planned loss of the primary happened, was recovered from, and lost
         nothing a client had been told was done."""
@@ -176,6 +205,15 @@ class ChaosReport:
             "http_settles": self.http_settles,
             "http_recovery_seconds": self.http_recovery_seconds,
             "probes_after_failover": self.probes,
+            "http_waits": self.http_waits,
+            "http_wait_answers": self.http_wait_answers,
+            "http_waits_hung": self.http_waits_hung,
+            "http_waits_at_loss": self.http_waits_at_loss,
+            "http_waits_at_loss_answers": self.http_waits_at_loss_answers,
+            "http_waits_at_loss_max_seconds": self.http_waits_at_loss_max_seconds,
+            "http_woken": self.http_woken,
+            "http_woken_after_failover": self.http_woken_after_failover,
+            "http_first_wake_seconds": self.http_first_wake_seconds,
         }
 
     @property
@@ -183,6 +221,7 @@ class ChaosReport:
         return (
             self.failovers_ok
             and self.probes_ok
+            and self.waits_ok
             and self.stuck_ok
             and not self.worker_errors
             and not self.deletion_failures
@@ -305,6 +344,29 @@ class ChaosReport:
                 f"probes after each loss          {len(self.probes)}: admin 200 after "
                 f"{_seconds(admin)}, API after {_seconds(api)}"
                 + ("" if self.probes_ok else "   (must all answer)"),
+            ]
+        if self.waits_checked:
+            answers = ", ".join(f"{k} {v}" for k, v in sorted(self.http_wait_answers.items()))
+            at_loss = ", ".join(
+                f"{k} {v}" for k, v in sorted(self.http_waits_at_loss_answers.items())
+            )
+            slowest = self.http_waits_at_loss_max_seconds
+            lines[-1:-1] = [
+                "HTTP waits by server            "
+                + ", ".join(f"{k} {v}" for k, v in sorted(self.http_waits.items()))
+                + f" ({answers or 'none'}); hung {self.http_waits_hung}   (must be 0)",
+                f"waits in flight at a loss       "
+                f"{sum(sum(n) for n in self.http_waits_at_loss.values())} "
+                f"({at_loss or 'none'}), slowest answered after "
+                + ("-" if slowest is None else f"{slowest:.1f} s"),
+                "waits woken by a send           "
+                + ", ".join(f"{k} {v}" for k, v in sorted(self.http_woken.items())),
+            ]
+            lines[-1:-1] = [
+                f"  {name}: loss -> first wait woken  "
+                + ", ".join("never" if s is None else f"{s:.1f}" for s in seconds)
+                + ("" if None not in seconds else "   (must all be woken)")
+                for name, seconds in sorted(self.http_first_wake_seconds.items())
             ]
         lines += [f"  {error}" for error in self.worker_errors]
         lines.append("RESULT: " + ("ok" if self.ok else "FAILED"))
@@ -519,6 +581,66 @@ def _check_http(
         for r in records
         if r["op"] == "probe"
     ]
+    _check_waits(records, report)
+
+
+def _check_waits(records: list[dict[str, Any]], report: ChaosReport) -> None:
+    """The waiting HTTP agents' waits (``http_wait`` lines): by server and answer; hung
+    when not answered within their seconds plus ``WAIT_BOUND``; in flight at a loss
+    when sent before it and answered after it; woken by a send when answered with a
+    delivery whose send (the waker's ``commit`` line, ``t0``) began ``WOKEN_MARGIN``
+    seconds or more after the wait was sent."""
+    waits = [r for r in records if r["op"] == "http_wait"]
+    if not waits:
+        return
+    report.waits_checked = True
+    sends = {i: r["t0"] for r in records if r["op"] == "commit" and "t0" in r for i in r["ids"]}
+    servers = sorted({r["server"] for r in waits})
+    report.http_waits = dict(Counter(r["server"] for r in waits))
+    report.http_wait_answers = dict(Counter(r["answer"] for r in waits))
+    report.http_waits_hung = sum(
+        1 for r in waits if r["answer"] == "hung" or r["seconds"] > r["wait"] + WAIT_BOUND
+    )
+    woken = sorted(
+        (
+            r
+            for r in waits
+            if r["answer"] == "delivery"
+            and r["id"] in sends
+            and sends[r["id"]] >= r["sent_at"] + WOKEN_MARGIN
+        ),
+        key=lambda r: r["sent_at"],
+    )
+    report.http_woken = {name: sum(1 for r in woken if r["server"] == name) for name in servers}
+    losses = [e["killed_at"] for e in report.failovers]
+    answers: Counter[str] = Counter()
+    slowest: list[float] = []
+    for name in servers:
+        report.http_waits_at_loss[name] = []
+        report.http_woken_after_failover[name] = []
+        report.http_first_wake_seconds[name] = []
+        mine = [r for r in woken if r["server"] == name]
+        for i, lost_at in enumerate(losses):
+            in_flight = [
+                r
+                for r in waits
+                if r["server"] == name and r["sent_at"] < lost_at < r["sent_at"] + r["seconds"]
+            ]
+            report.http_waits_at_loss[name].append(len(in_flight))
+            answers.update(r["answer"] for r in in_flight)
+            slowest += [r["seconds"] for r in in_flight]
+            until = losses[i + 1] if i + 1 < len(losses) else float("inf")
+            after = [r for r in mine if r["sent_at"] > lost_at]
+            report.http_woken_after_failover[name].append(
+                sum(1 for r in after if r["sent_at"] < until)
+            )
+            report.http_first_wake_seconds[name].append(
+                round(min(r["sent_at"] + r["seconds"] for r in after) - lost_at, 2)
+                if after
+                else None
+            )
+    report.http_waits_at_loss_answers = dict(answers)
+    report.http_waits_at_loss_max_seconds = max(slowest) if slowest else None
 
 
 def _check_acknowledged(

@@ -348,10 +348,19 @@ def run_agent(config: dict[str, Any], index: int, journal: Journal) -> None:
 
 
 def http_targets(config: dict[str, Any]) -> list[bytes]:
-    """The public keys of the HTTP agents' secret keys (none without HTTP agents)."""
+    """The public keys of the HTTP agents' secret keys (none without HTTP agents); the
+    waiting agents' keys are the waker's targets, not the producers'."""
     from workflow_delivery import keys
 
     return [keys.public_key_bytes(bytes.fromhex(key)) for key in config.get("http_secrets", [])]
+
+
+def wait_targets(config: dict[str, Any]) -> list[bytes]:
+    """The public keys of the waiting HTTP agents, one each."""
+    from workflow_delivery import keys
+
+    secrets = config.get("http_wait_secrets", [])
+    return [keys.public_key_bytes(bytes.fromhex(key)) for key in secrets]
 
 
 # An HTTP request not answered within this many seconds is counted as hung (and sent
@@ -361,94 +370,155 @@ HTTP_BOUND = 30.0
 NOT_READY = ("unknown_community", "auth_unknown_agent")
 # How often an HTTP agent journals its running request counts.
 HTTP_STATS_EVERY = 5.0
+# Seconds a waiting HTTP agent asks its waits and waiting claims to wait at most.
+WAIT_SECONDS = 10
 
 
-def run_http_agent(config: dict[str, Any], index: int, journal: Journal) -> None:
-    """An agent of the signed HTTP API, through one of the harness's servers (uvicorn or
-    gunicorn, by index): it claims in every community, works a blink and finishes,
-    journaling claims and settles as the other agents do. A request refused with 503,
-    not answered within ``HTTP_BOUND`` or whose connection failed is sent again (a
-    finish's retry answers its recorded outcome); any other refusal is an error."""
-    import http.client
-    from collections import Counter
-    from urllib.parse import urlsplit
+class HttpAgent:
+    """What the HTTP agents share: their server, their request counts, and ``call``,
+    which sends a request until it is answered."""
 
-    from workflow_delivery.client import AgentClient
-    from workflow_delivery.exceptions import AgentApiError
-    from workflow_delivery.protocol import AlreadyTerminal, LeaseLost, Outcome, Settled
+    def __init__(self, config: dict[str, Any], server: dict[str, str], journal: Journal) -> None:
+        from collections import Counter
 
-    servers = config["http_servers"]
-    server = servers[index % len(servers)]
-    secrets = config["http_secrets"]
-    secret = bytes.fromhex(secrets[(index // len(servers)) % len(secrets)])
-    port = urlsplit(server["url"]).port
-    clients = [
-        AgentClient(
+        self.config = config
+        self.server = server
+        self.journal = journal
+        self.counts: Counter[str] = Counter()
+        self.reported_at = time.monotonic()
+
+    def client(self, tenant: dict[str, Any], secret: bytes) -> Any:
+        from urllib.parse import urlsplit
+
+        from workflow_delivery.client import AgentClient
+
+        return AgentClient(
             f"http://{tenant['host']}/agents/",
             secret,
             timeout=HTTP_BOUND,
-            connect_to=("127.0.0.1", port),
+            connect_to=("127.0.0.1", urlsplit(self.server["url"]).port),
         )
-        for tenant in config["communities"]
-    ]
-    rng = random.Random()
-    # The clients answered once: from then on a refusal is an error.
-    ready: set[int] = set()
-    counts: Counter[str] = Counter()
-    reported_at = time.monotonic()
 
-    def report() -> None:
-        journal.write("http_stats", server=server["name"], **counts)
+    def report(self, *, every: float | None = None) -> None:
+        if every is None or time.monotonic() - self.reported_at > every:
+            self.journal.write("http_stats", server=self.server["name"], **self.counts)
+            self.reported_at = time.monotonic()
 
     def call(
-        during: str, send: Callable[[], T], *, starting: bool = False
+        self,
+        during: str,
+        send: Callable[[], T],
+        *,
+        starting: bool = False,
+        wait: int | None = None,
     ) -> tuple[bool, T | None]:
-        """(True, answer) once answered; (False, None) when a claim is given up on
-        (stopping or, ``starting``, a community or roster not written yet)."""
-        nonlocal reported_at
+        """(True, answer) once answered; (False, None) when a claim or a wait is given
+        up on (stopping or, ``starting``, a community or roster not written yet). A
+        request that asked to ``wait`` is journaled each time it is sent, with what
+        answered it and when (``http_wait``)."""
+        import http.client
+
+        from workflow_delivery.exceptions import AgentApiError
+
         while True:
-            counts["requests"] += 1
-            started = time.monotonic()
+            self.counts["requests"] += 1
+            started, sent_at = time.monotonic(), time.time()
             try:
-                return True, send()
+                answer = send()
             except AgentApiError as exc:
                 if starting and exc.code in NOT_READY:
                     # The producer creates the community, then enrolls the keys.
                     return False, None
                 if exc.status != 503:
                     raise
-                counts["unavailable"] += 1
-                problem = f"503 {exc.code}"
+                self.counts["unavailable"] += 1
+                problem, answered = f"503 {exc.code}", "unavailable"
             except TimeoutError:
-                counts["hung"] += 1
-                problem = f"no answer in {HTTP_BOUND:g} s"
-                journal.write("http_hung", server=server["name"], during=during)
+                self.counts["hung"] += 1
+                problem, answered = f"no answer in {HTTP_BOUND:g} s", "hung"
+                self.journal.write("http_hung", server=self.server["name"], during=during)
             except (OSError, http.client.HTTPException) as exc:
-                counts["connection_errors"] += 1
-                problem = f"{type(exc).__name__}: {exc}"
-            journal.write(
+                self.counts["connection_errors"] += 1
+                problem, answered = f"{type(exc).__name__}: {exc}", "connection_error"
+            else:
+                if wait is not None:
+                    self._waited(during, wait, sent_at, started, answer)
+                return True, answer
+            if wait is not None:
+                self._waited(during, wait, sent_at, started, None, answered)
+            self.journal.write(
                 "http_retry",
-                server=server["name"],
+                server=self.server["name"],
                 during=during,
                 seconds=round(time.monotonic() - started, 3),
                 error=problem[:200],
             )
-            if time.monotonic() - reported_at > HTTP_STATS_EVERY:
-                report()
-                reported_at = time.monotonic()
-            if Stop.requested and during == "claim":
+            self.report(every=HTTP_STATS_EVERY)
+            if Stop.requested and during != "finish":
                 return False, None
             time.sleep(0.2 + random.random() * 0.3)
 
+    def _waited(
+        self,
+        during: str,
+        wait: int,
+        sent_at: float,
+        started: float,
+        answer: Any,
+        answered: str | None = None,
+    ) -> None:
+        """One wait or waiting claim: when it was sent, how long it took, and its answer
+        (a delivery, empty, 503, a connection error, or none within the bound)."""
+        delivery_id = None
+        if answered is None:
+            if answer is None:
+                answered = "empty"
+            else:
+                answered = "delivery"
+                # A waiting claim answers (lease, record); a wait, a hint.
+                lease = getattr(answer, "lease", None)
+                delivery_id = str(lease.delivery_id if lease else answer.delivery_id)
+        self.counts["waits"] += 1
+        self.journal.write(
+            "http_wait",
+            server=self.server["name"],
+            kind=during,
+            wait=wait,
+            sent_at=sent_at,
+            seconds=round(time.monotonic() - started, 3),
+            answer=answered,
+            id=delivery_id,
+        )
+
+
+def run_http_agent(config: dict[str, Any], index: int, journal: Journal) -> None:
+    """An agent of the signed HTTP API, through one of the harness's servers (uvicorn or
+    gunicorn, by index): the first ones claim in every community, work a blink and
+    finish; the last ``http_waiting_agents`` wait instead (``run_waiting_agent``). Both
+    journal claims and settles as the other agents do. A request refused with 503,
+    not answered within ``HTTP_BOUND`` or whose connection failed is sent again (a
+    finish's retry answers its recorded outcome); any other refusal is an error."""
+    servers = config["http_servers"]
+    regular = config["http_agents"] - config.get("http_waiting_agents", 0)
+    if index >= regular:
+        waiting = index - regular
+        agent = HttpAgent(config, servers[waiting % len(servers)], journal)
+        run_waiting_agent(config, waiting, agent)
+        return
+    agent = HttpAgent(config, servers[index % len(servers)], journal)
+    secrets = config["http_secrets"]
+    secret = bytes.fromhex(secrets[(index // len(servers)) % len(secrets)])
+    clients = [agent.client(tenant, secret) for tenant in config["communities"]]
+    rng = random.Random()
+    # The clients answered once: from then on a refusal is an error.
+    ready: set[int] = set()
     try:
         while not Stop.requested:
-            if time.monotonic() - reported_at > HTTP_STATS_EVERY:
-                report()
-                reported_at = time.monotonic()
+            agent.report(every=HTTP_STATS_EVERY)
             rng.shuffle(clients)
             claimed = None
             for client in clients:
-                answered, claimed = call(
+                answered, claimed = agent.call(
                     "claim",
                     lambda c=client: c.claim(lease_seconds=config["lease"]),
                     starting=id(client) not in ready,
@@ -462,48 +532,148 @@ def run_http_agent(config: dict[str, Any], index: int, journal: Journal) -> None
             if claimed is None:
                 time.sleep(config["http_idle_poll"])
                 continue
-            lease, record = claimed
-            work = rng.uniform(0.01, 0.1)
-            journal.write(
-                "claim",
-                id=str(lease.delivery_id),
-                gen=lease.generation,
-                community=str(lease.community_id),
-                step=record.binding.step_id,
-                lease_until=lease.lease_until.isoformat(),
-                work=work,
-                server=server["name"],
-            )
-            time.sleep(work)
-            outcome = Outcome.FAILED if rng.random() < 0.1 else Outcome.FINISHED
-            t0 = time.time()
-            # Sent until answered, even while stopping: an unanswered finish may have
-            # been recorded, and only its answer says so.
-            _, result = call(
-                "finish", lambda c=client, held=lease, end=outcome: c.finish(held, end)
-            )
-            if isinstance(result, Settled):
-                name = "settled"
-            elif isinstance(result, LeaseLost):
-                name = "lost"
-            elif isinstance(result, AlreadyTerminal):
-                name = f"already:{result.status.value}"
-            else:
-                journal.write("abandon", id=str(lease.delivery_id), gen=lease.generation)
-                continue
-            journal.write(
-                "finish",
-                id=str(lease.delivery_id),
-                gen=lease.generation,
-                t0=t0,
-                outcome=outcome.value,
-                result=name,
-                server=server["name"],
-            )
+            http_work_and_finish(config, agent, client, claimed, rng)
     finally:
-        report()
+        agent.report()
         for client in clients:
             client.close()
+
+
+def run_waiting_agent(config: dict[str, Any], waiting: int, agent: HttpAgent) -> None:
+    """A waiting agent of the HTTP API: the only holder of its key, to which only the
+    waker sends, in one community. It waits by turns in a waiting claim (``claim(wait=
+    WAIT_SECONDS)``) and in ``wait(WAIT_SECONDS)`` followed by a claim, so that a wait
+    is in flight whenever the primary is lost; each wait is journaled (``http_wait``)."""
+    communities = config["communities"]
+    secret = bytes.fromhex(config["http_wait_secrets"][waiting])
+    client = agent.client(communities[waiting % len(communities)], secret)
+    rng = random.Random()
+    ready = False
+    turn = 0
+    try:
+        while not Stop.requested:
+            agent.report(every=HTTP_STATS_EVERY)
+            turn += 1
+            if turn % 2:
+                answered, claimed = agent.call(
+                    "wait_claim",
+                    lambda: client.claim(lease_seconds=config["lease"], wait=WAIT_SECONDS),
+                    starting=not ready,
+                    wait=WAIT_SECONDS,
+                )
+            else:
+                answered, hint = agent.call(
+                    "wait", lambda: client.wait(WAIT_SECONDS), starting=not ready, wait=WAIT_SECONDS
+                )
+                claimed = None
+                if hint is not None:
+                    answered, claimed = agent.call(
+                        "claim", lambda: client.claim(lease_seconds=config["lease"])
+                    )
+            ready = ready or answered
+            if not answered:
+                time.sleep(config["http_idle_poll"])
+            elif claimed is not None:
+                http_work_and_finish(config, agent, client, claimed, rng)
+    finally:
+        agent.report()
+        client.close()
+
+
+def http_work_and_finish(
+    config: dict[str, Any], agent: HttpAgent, client: Any, claimed: Any, rng: random.Random
+) -> None:
+    """Journal the claim, work a blink, finish (sent until answered) and journal it."""
+    from workflow_delivery.protocol import AlreadyTerminal, LeaseLost, Outcome, Settled
+
+    lease, record = claimed
+    server = agent.server["name"]
+    work = rng.uniform(0.01, 0.1)
+    agent.journal.write(
+        "claim",
+        id=str(lease.delivery_id),
+        gen=lease.generation,
+        community=str(lease.community_id),
+        step=record.binding.step_id,
+        lease_until=lease.lease_until.isoformat(),
+        work=work,
+        server=server,
+    )
+    time.sleep(work)
+    outcome = Outcome.FAILED if rng.random() < 0.1 else Outcome.FINISHED
+    t0 = time.time()
+    # Sent until answered, even while stopping: an unanswered finish may have
+    # been recorded, and only its answer says so.
+    _, result = agent.call("finish", lambda: client.finish(lease, outcome))
+    if isinstance(result, Settled):
+        name = "settled"
+    elif isinstance(result, LeaseLost):
+        name = "lost"
+    elif isinstance(result, AlreadyTerminal):
+        name = f"already:{result.status.value}"
+    else:
+        agent.journal.write("abandon", id=str(lease.delivery_id), gen=lease.generation)
+        return
+    agent.journal.write(
+        "finish",
+        id=str(lease.delivery_id),
+        gen=lease.generation,
+        t0=t0,
+        outcome=outcome.value,
+        result=name,
+        server=server,
+    )
+
+
+def run_waker(config: dict[str, Any], index: int, journal: Journal) -> None:
+    """Sends one message at a time to a waiting HTTP agent's key, in that agent's
+    community, every second or so until stopped (``send_message`` under an idempotency
+    key, resent after a lost connection), journaling each commit and when its first
+    attempt began (``t0``): the waits it should wake."""
+    from workflow_delivery import roster, services
+    from workflow_delivery.exceptions import CommunityNotFound
+
+    communities = config["communities"]
+    targets = wait_targets(config)
+    rng = random.Random(config["seed"] * 1000 + 999)
+    for waiting, target in enumerate(targets):
+        community_id = communities[waiting % len(communities)]["id"]
+        while not Stop.requested:
+            try:
+                # The producers create the communities; the waker enrolls its own keys.
+                with_reconnect(
+                    journal, "tenant", lambda c=community_id, t=target: roster.enroll_agents(c, [t])
+                )
+                break
+            except CommunityNotFound:
+                time.sleep(0.2)
+    sent = 0
+    while not Stop.requested:
+        waiting = rng.randrange(len(targets))
+        community_id = communities[waiting % len(communities)]["id"]
+        key = f"waker-{config['seed']}-{sent}"
+        t0 = time.time()
+        answer = with_reconnect(
+            journal,
+            "commit",
+            lambda c=community_id, k=key, t=targets[waiting]: services.send_message(
+                c, targets=[t], content="wake", idempotency_key=k
+            ),
+        )
+        ids = [str(record.id) for record in answer.deliveries]
+        journal.write(
+            "commit",
+            community=community_id,
+            run=str(answer.run_id),
+            step=answer.step_id,
+            ids=ids,
+            created=ids if answer.created else [],
+            existed=not answer.created,
+            t0=t0,
+            waiting=waiting,
+        )
+        sent += 1
+        time.sleep(rng.uniform(0.3, 1.2))
 
 
 EFFECTS_TABLE = "chaos_effects"
@@ -959,6 +1129,7 @@ ROLES = {
     "deleter": run_deleter,
     "stuck": run_stuck_holder,
     "http": run_http_agent,
+    "waker": run_waker,
 }
 
 

@@ -262,3 +262,45 @@ def test_one_signed_request_sent_at_once_to_two_server_processes_is_served_once(
         for thread in threads:
             thread.join(60)
     assert sorted(answers) == [(200, None)] + [(401, "auth_replay")] * 7
+
+
+def test_a_wait_in_flight_when_the_listener_s_session_ends_is_answered_and_the_next_is_woken(
+    server,
+):
+    """As after a failover: the server's listening session ends under a parked wait.
+    The wait is answered empty once the listener is back (not at its timeout), and the
+    agent's next wait is woken by the next commit."""
+    owner = factories.community("localhost")
+    key = secret()
+    url = base_url(server, "localhost")
+    factories.enroll(owner, [pubkey(key)])
+    idle = IdleWakeTarget.objects.filter(community_id=owner.id, target_pubkey=pubkey(key))
+
+    def parked() -> Waiting:
+        waiting = Waiting(url, key, timeout=40)
+        waiting.start()
+        deadline = time.monotonic() + 15
+        while not idle.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert idle.exists()
+        time.sleep(0.2)
+        return waiting
+
+    in_flight = parked()
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity "
+            "WHERE application_name = 'workflow_delivery wake listener' "
+            "AND datname = current_database()"
+        )
+        assert cursor.fetchone()[0] == 1
+    in_flight.join(30)
+    assert in_flight.error is None and in_flight.hint is None
+    assert in_flight.elapsed < 15
+    following = parked()
+    committed_at = time.monotonic()
+    (delivery,) = commit_and_wake(factories.Step(owner=owner, targets=[pubkey(key)]))
+    following.join(40)
+    assert following.error is None
+    assert following.hint is not None and following.hint.delivery_id == delivery.id
+    assert time.monotonic() - committed_at < 5
