@@ -49,7 +49,7 @@ AGENT_TURNS = _q(AgentTurn._meta.db_table)
 _RETURNING = ", ".join(f"d.{_q(column)}" for column in RECORD_COLUMNS)
 
 
-# wd_community_deletion_key(column) (migration 0003) written out: a call of that
+# wd_community_deletion_key(column) written out: a call of that
 # function (its search_path pinned, so never inlined) costs the hot path more than
 # the lock it names. tests/test_purge_deadlock.py holds the two equal.
 DELETION_KEY = "hashtextextended('workflow_delivery.community_deletion:' || {column}::text, 0)"
@@ -141,7 +141,7 @@ _ON_CONFLICT = (
 
 
 # The fence's INSERT check runs once per statement, on the rows it created
-# (migration 0010): a retry whose rows are all skipped would pass unasked. The
+# (wd_community_write_fence_insert): a retry whose rows are all skipped would pass unasked. The
 # producer's statements ask it first themselves, so such a retry is refused too.
 def _fence_cte(after: str = "") -> str:
     """The CTE ``fence``: the fence's check of the committing community, evaluated
@@ -594,7 +594,8 @@ SELECT id, created_at, pubkey, kind, tags::text, content, content_json IS NOT NU
 
 # --- Maintenance: the reaper, retention, the operator, the timeline ---------------------
 
-# Who writes in this transaction, for the timeline trigger (migration 0007).
+# Who writes in this transaction, for the timeline triggers (wd_delivery_timeline and
+# wd_delivery_timeline_commit).
 SET_ACTOR = Statement("SELECT set_config('workflow_delivery.actor', %(actor)s, true)")
 
 # Whether this session's writes are recorded in the timeline (a session setting).
@@ -898,7 +899,7 @@ DO UPDATE SET label = coalesce(%(label)s::text, a.label)
 RETURNING {_ROSTER_ENTRY}
 """)
 
-# A revocation's order of locks, as every writer takes them (migration 0016): the
+# A revocation's order of locks, as every writer takes them (wd_lock_roster_shared): the
 # community's deletion lock shared (the fence's own check, refusing a tenant that is
 # not active), then its roster lock exclusive, which waits for every commit and
 # every API request of the community that read the roster before us.
@@ -936,7 +937,7 @@ RETURNING {_ROSTER_ENTRY}
 
 # --- The community fence and its executor ----------------------------------------------
 
-# The fence's own rule, from migration 0003: READ COMMITTED or a clear error.
+# The fence's own rule, wd_require_read_committed(): READ COMMITTED or a clear error.
 REQUIRE_READ_COMMITTED = Statement("SELECT wd_require_read_committed()")
 
 COMMUNITY_WRITE_ALLOWED = Statement("SELECT community_write_allowed(%(community_id)s::uuid)")
@@ -957,7 +958,8 @@ UPDATE {COMMUNITIES} SET deletion_state = %(state)s WHERE id = %(community_id)s
 RETURNING deletion_fence_generation
 """)
 
-# Recorded by the database where only the migrating role writes (migration 0017);
+# Recorded by the database where only the migrating role writes
+# (wd_executor_presentations, guarded by wd_executor_presentation_by_owner);
 # EXECUTE is the owner's and an executor role's, never PUBLIC's.
 PRESENT_EXECUTOR = Statement(
     "SELECT wd_present_executor(%(community_id)s::uuid, %(generation)s::bigint)"
@@ -1014,7 +1016,7 @@ SELECT clock.fresh, EXISTS (SELECT 1 FROM recorded) FROM clock
 # The same for a request named by its Host: the community whose host it is (any
 # case, by wd_community_host_ci_key), where the signing key stands in its roster,
 # the freshness and the replay guard, in one round trip. The standing is read under
-# the roster's shared lock (wd_agent_standing, migration 0016), held to the end of
+# the roster's shared lock (wd_agent_standing, through wd_lock_roster_shared), held to the end of
 # the request's transaction, so a revocation waits for the key's requests in flight.
 # The community's shared deletion lock is only tried, never waited for: while its
 # deletion executor holds the exclusive lock (or waits for it), the standing is
