@@ -59,6 +59,7 @@ from .turns import (
     drive,
     note_failure,
     prompt_blocks,
+    read_document,
     reply_key,
     tools_server,
     verdict,
@@ -82,18 +83,8 @@ class _Effects:
 
     def read(self) -> dict[str, Any]:
         binding = self.record.binding
-        return {
-            "delivery_id": str(self.record.id),
-            "run_id": str(binding.run_id),
-            "step_id": binding.step_id,
-            "message": {
-                "id": self.message.id.hex(),
-                "pubkey": self.message.pubkey.hex(),
-                "content": self.message.content,
-                "tags": self.message.tags,
-            },
-            "replies": services.run_replies(binding.community_id, binding.run_id, using=self.using),
-        }
+        replies = services.run_replies(binding.community_id, binding.run_id, using=self.using)
+        return read_document(self.record, self.message, replies)
 
     def reply(self, content: object, to: object) -> str:
         with self.context.holding():

@@ -53,7 +53,16 @@ from ..protocol import (
     Settled,
 )
 from .runtime import AgentRuntime, Turn
-from .turns import Verdict, drive, note_failure, prompt_blocks, reply_key, tools_server, verdict
+from .turns import (
+    Verdict,
+    drive,
+    note_failure,
+    prompt_blocks,
+    read_document,
+    reply_key,
+    tools_server,
+    verdict,
+)
 
 __all__ = ["ApiAgent", "ApiStats", "turn_document"]
 
@@ -166,19 +175,8 @@ class _ApiEffects:
         self.replies: list[str] = []
 
     def read(self) -> dict[str, Any]:
-        binding = self.record.binding
-        return {
-            "delivery_id": str(self.record.id),
-            "run_id": str(binding.run_id),
-            "step_id": binding.step_id,
-            "message": {
-                "id": self.message.id.hex(),
-                "pubkey": self.message.pubkey.hex(),
-                "content": self.message.content,
-                "tags": self.message.tags,
-            },
-            "replies": self.client.replies(self.record.id) or [],
-        }
+        replies = self.client.replies(self.record.id) or []
+        return read_document(self.record, self.message, replies)
 
     def reply(self, content: object, to: object) -> str:
         key = reply_key(content, to)

@@ -104,6 +104,24 @@ def note_failure(effects: Any, reason: object) -> str:
     return "the delivery will be settled failed when the turn ends"
 
 
+def read_document(record: DeliveryRecord, message: MessageEvent, replies: list[Any]) -> dict:
+    """What ``read_message`` answers: the delivery, its run and step, the message and
+    the run's replies so far (from whichever lease source holds the turn)."""
+    binding = record.binding
+    return {
+        "delivery_id": str(record.id),
+        "run_id": str(binding.run_id),
+        "step_id": binding.step_id,
+        "message": {
+            "id": message.id.hex(),
+            "pubkey": message.pubkey.hex(),
+            "content": message.content,
+            "tags": message.tags,
+        },
+        "replies": replies,
+    }
+
+
 def prompt_blocks(record: DeliveryRecord, message: MessageEvent) -> list[Any]:
     """``session/prompt``'s content: the message's text, then the delivery, run and
     message ids as an embedded resource."""
