@@ -300,6 +300,11 @@ class AgentClient:
             "generation": lease.generation,
             "outcome": Outcome(outcome).value,
         }
+        return self._finish(lease, document, turn)
+
+    def _finish(
+        self, lease: Lease, document: dict[str, object], turn: dict | None
+    ) -> Settled | AlreadyTerminal | LeaseLost:
         if turn is not None:
             document["turn"] = turn
         status, answer = self.request("POST", f"v1/deliveries/{lease.delivery_id}/finish", document)
@@ -319,14 +324,7 @@ class AgentClient:
             "outcome": "failed",
             "error": reason,
         }
-        if turn is not None:
-            document["turn"] = turn
-        status, answer = self.request("POST", f"v1/deliveries/{lease.delivery_id}/finish", document)
-        if self._lease_lost(status, answer):
-            return LeaseLost()
-        if status != 200:
-            raise self._refusal(status, answer)
-        return self._settlement(answer)
+        return self._finish(lease, document, turn)
 
     def retry(
         self,
