@@ -47,16 +47,9 @@ def parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--community-host", help="the community's host, when the URL is a shared origin"
     )
-    parser.add_argument("--lease-seconds", type=int, default=30, help="default %(default)s")
-    parser.add_argument("--concurrency", type=int, default=1, help="turns in flight at most")
-    parser.add_argument("--max-deliveries", type=int, help="stop after this many")
-    parser.add_argument("--turn-timeout", type=float, help="seconds before a turn is cancelled")
-    parser.add_argument(
-        "--handshake-timeout",
-        type=float,
-        default=10.0,
-        help="seconds the agent has to answer initialize (default %(default)s)",
-    )
+    from .turns import add_turn_options
+
+    add_turn_options(parser)
     parser.add_argument(
         "--wait",
         type=int,

@@ -104,6 +104,20 @@ def note_failure(effects: Any, reason: object) -> str:
     return "the delivery will be settled failed when the turn ends"
 
 
+def add_turn_options(parser: Any) -> None:
+    """The options both commands take for the turns they run (an ``argparse`` parser)."""
+    parser.add_argument("--lease-seconds", type=int, default=30, help="default %(default)s")
+    parser.add_argument("--concurrency", type=int, default=1, help="turns in flight at most")
+    parser.add_argument("--max-deliveries", type=int, help="stop after this many")
+    parser.add_argument("--turn-timeout", type=float, help="seconds before a turn is cancelled")
+    parser.add_argument(
+        "--handshake-timeout",
+        type=float,
+        default=10.0,
+        help="seconds the agent has to answer initialize (default %(default)s)",
+    )
+
+
 def read_document(record: DeliveryRecord, message: MessageEvent, replies: list[Any]) -> dict:
     """What ``read_message`` answers: the delivery, its run and step, the message and
     the run's replies so far (from whichever lease source holds the turn)."""

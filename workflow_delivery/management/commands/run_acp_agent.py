@@ -10,6 +10,7 @@ from typing import Any
 from django.core.management.base import BaseCommand, CommandError
 
 from workflow_delivery.acp import AcpAgent, AgentStartError
+from workflow_delivery.acp.turns import add_turn_options
 from workflow_delivery.commandline import VERBOSITY_LEVELS, positive, stop_on_signals
 from workflow_delivery.exceptions import ProtocolError
 from workflow_delivery.models import Community
@@ -30,16 +31,7 @@ class Command(BaseCommand):
     def add_arguments(self, parser: ArgumentParser) -> None:
         parser.add_argument("--community", required=True, help="community UUID or host")
         parser.add_argument("--agent", required=True, help="the agent's public key, 64 hex")
-        parser.add_argument("--lease-seconds", type=int, default=30, help="default %(default)s")
-        parser.add_argument("--concurrency", type=int, default=1, help="turns in flight at most")
-        parser.add_argument("--max-deliveries", type=int, help="stop after this many")
-        parser.add_argument("--turn-timeout", type=float, help="seconds before a turn is cancelled")
-        parser.add_argument(
-            "--handshake-timeout",
-            type=float,
-            default=10.0,
-            help="seconds the agent has to answer initialize (default %(default)s)",
-        )
+        add_turn_options(parser)
         parser.add_argument("--poll-interval", type=float, default=2.0, help=POLL_HELP)
         parser.add_argument("--database", default="default", help="database alias")
         parser.add_argument("agent_command", nargs="+", help="the ACP agent command, after --")
