@@ -86,14 +86,17 @@ def settle_latency_and_cost(count: int) -> dict[str, float]:
     )
     original = runner.consumer._settle
 
-    def timed_settle(context, outcome, error=None):
-        original(context, outcome, error)
+    def timed_settle(context, outcome, error=None, **options):
+        claimed = original(context, outcome, error, **options)
         now = time.monotonic()
         settled.append(now - ended[context.lease.delivery_id])
         per_turn.append(now)
+        return claimed
 
     runner.consumer._settle = timed_settle
     runner.run()
+    if len(settled) != count:
+        raise SystemExit(f"the ACP runtime settled {len(settled)} of {count} deliveries")
     gaps = [b - a for a, b in itertools.pairwise(per_turn)]
     base_gaps = per_base[1:]
     return {
