@@ -241,7 +241,7 @@ SELECT n FROM sent
 # ``backend_start``: its listener's, or else the registering session's own). Registering
 # again renews the registration: its session and time are the latest registrant's.
 REGISTER_IDLE = Statement(f"""
-INSERT INTO {IDLE} AS i (community_id, target_pubkey, pid, backend_start)
+INSERT INTO {IDLE} (community_id, target_pubkey, pid, backend_start)
 SELECT %(community_id)s::uuid, t, s.pid, s.backend_start
   FROM unnest(%(target_pubkeys)s::bytea[]) AS t,
        (SELECT coalesce(%(pid)s::integer, a.pid) AS pid,

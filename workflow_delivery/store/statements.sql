@@ -707,7 +707,7 @@ WITH open AS (
 DELETE FROM "agent_request_replays" AS r USING doomed WHERE r.id = doomed.id;
 
 -- name: REGISTER_IDLE --
-INSERT INTO "workflow_delivery_idle_wake_targets" AS i (community_id, target_pubkey, pid, backend_start)
+INSERT INTO "workflow_delivery_idle_wake_targets" (community_id, target_pubkey, pid, backend_start)
 SELECT %(community_id)s::uuid, t, s.pid, s.backend_start
   FROM unnest(%(target_pubkeys)s::bytea[]) AS t,
        (SELECT coalesce(%(pid)s::integer, a.pid) AS pid,
