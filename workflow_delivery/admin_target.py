@@ -4,7 +4,10 @@ One statement (``store.statements.TARGET_STATE``) reads what the inbox holds for
 pending rows (how many wait for a retry backoff, the next to become claimable, the
 oldest), its claimed rows (expired leases the reaper has not taken yet), its settles
 among the community's most recent ones, its last error, its last claim and whether a
-consumer of it is registered idle; and the community's fence state. ``verdicts`` turns
+consumer of it is registered idle, and if so whether the session the registration
+names (``pid`` and ``backend_start``) is still in ``pg_stat_activity``: a consumer
+that died without taking its registration back left it, and nobody waits for its
+wake-up; and the community's fence state. ``verdicts`` turns
 that into plain sentences, the most blocking first. The page asks what the delivery
 list asks (its view permission); it changes nothing.
 """
@@ -41,6 +44,13 @@ ECHO = 80
 
 URL_NAME = "workflow_delivery_target"
 
+# What pg_stat_activity says of the session an idle registration names
+# (``store.statements.TARGET_STATE``): still the same backend; no such backend any
+# more; or hidden from the reading role (another role's session shows no start time).
+IDLE_LIVE = "live"
+IDLE_GONE = "gone"
+IDLE_UNSEEN = "unseen"
+
 
 @dataclass(frozen=True)
 class TargetState:
@@ -70,6 +80,8 @@ class TargetState:
     last_error_message: str | None
     last_error_at: datetime | None
     idle_since: datetime | None
+    # The registering session: IDLE_LIVE, IDLE_GONE, IDLE_UNSEEN, or None (no registration).
+    idle_session: str | None = None
 
     @property
     def fenced(self) -> bool:
@@ -128,6 +140,7 @@ def read_target_state(
         error_message,
         error_at,
         idle_since,
+        idle_session,
     ) = figures
     return TargetState(
         community_id=community_id,
@@ -154,6 +167,7 @@ def read_target_state(
         last_error_message=error_message,
         last_error_at=error_at,
         idle_since=idle_since,
+        idle_session=idle_session,
     )
 
 
@@ -212,12 +226,21 @@ def verdicts(state: TargetState) -> list[Verdict]:
                 "expired",
                 f"lease expired at {when(state.first_expired_at)}, reaper has not run{more}",
             )
+    gone = (
+        f"the consumer that registered idle at {when(state.idle_since)} is gone (its "
+        "session ended without unregistering): no consumer is waiting"
+        if state.idle_session == IDLE_GONE
+        else None
+    )
     if state.claimable and not state.live_leases:
         waiting = (
             f"{_deliveries(state.claimable)} claimable, the oldest pending for "
             f"{age(state.oldest_pending_age)}"
         )
-        if state.idle_since is not None:
+        if gone is not None:
+            say("gone", f"{gone}, yet {waiting}")
+            gone = None
+        elif state.idle_since is not None:
             say(
                 "idle",
                 f"an agent registered idle at {when(state.idle_since)}, yet {waiting}: a "
@@ -233,6 +256,10 @@ def verdicts(state: TargetState) -> list[Verdict]:
             say(
                 "unclaimed", f"no agent has claimed for this target (no claim on record): {waiting}"
             )
+    if gone is not None and state.pending and not state.live_leases:
+        # Rows backing off (or not claimable while fenced): none is claimed when it could be.
+        say("gone", f"{gone}: these deliveries wait until a consumer starts")
+        gone = None
     if state.backing_off:
         verb = "is waiting for its" if state.backing_off == 1 else "are waiting for their"
         first = "" if state.backing_off == 1 else " (the first of them)"
@@ -262,6 +289,9 @@ def verdicts(state: TargetState) -> list[Verdict]:
             else ""
         )
         say("nothing", f"nothing is waiting for this target: no pending or claimed delivery{last}")
+    if gone is not None:
+        after = "" if state.live_leases else ": a new delivery waits until a consumer starts"
+        say("gone", f"{gone}{after}")
     return found
 
 
@@ -270,7 +300,17 @@ def agent_activity(state: TargetState) -> str:
     signs = []
     if state.live_leases:
         signs.append(f"yes: a live lease until {when(state.live_lease_until)}")
-    if state.idle_since is not None:
+    if state.idle_session == IDLE_GONE:
+        signs.append(
+            f"no: the consumer registered idle at {when(state.idle_since)} is gone (its "
+            "session ended without unregistering)"
+        )
+    elif state.idle_session == IDLE_UNSEEN:
+        signs.append(
+            f"a consumer registered idle at {when(state.idle_since)}; whether its session "
+            "is still alive is hidden from this database role (another role's session)"
+        )
+    elif state.idle_since is not None:
         signs.append(
             f"a consumer is registered idle (waiting for a wake-up) since {when(state.idle_since)}"
         )

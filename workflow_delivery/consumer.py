@@ -16,11 +16,11 @@ and ``context.holding()`` gives the handler lease-fenced writes (see
 Waking: with ``listen`` (by default when ``WORKFLOW_DELIVERY_NOTIFY`` is on, as it is
 by default) the main thread listens for the producer's notifications (``wakeups``).
 A worker that finds nothing registers the consumer's targets as idle
-(``services.register_idle``) while the session listens, polls once more, and only
-then waits: the next commit to one of them notifies, and the main thread wakes the
-idle workers for a hint naming one of its targets. A waiting worker also polls every
-``poll_interval`` seconds, which is what makes a missed or dropped notification, or
-none at all, harmless. A heartbeat thread renews every in-flight
+(``services.register_idle``, naming the listening session) while the session listens,
+polls once more, and only then waits: the next commit to one of them notifies, and the
+main thread wakes the idle workers for a hint naming one of its targets. A waiting
+worker also polls every ``poll_interval`` seconds, which is what makes a missed or
+dropped notification, or none at all, harmless. A heartbeat thread renews every in-flight
 lease each third of the lease, on its own connection, with a short
 ``lock_timeout``: a renew that meets the handler's own open ``holding()`` block is
 "busy" and tried again shortly, never a lost lease.
@@ -375,6 +375,8 @@ class Consumer:
         # Set while the session listens: only then may a worker register as idle, since
         # a wake-up sent to nobody would consume the registration for nothing.
         self._heard = threading.Event()
+        # The wake-up session, whose ``session`` a registration names as its waiter.
+        self._listener: WakeListener | None = None
 
     def _enrolled_targets(self, using: str) -> list[bytes]:
         rows = CommunityAgent.objects.using(using).filter(
@@ -439,6 +441,7 @@ class Consumer:
         if self.listen:
             if wakeups_available():
                 listener = WakeListener(self.using)
+                self._listener = listener
             else:
                 # On psycopg2 alone the workers poll; ``listening`` is never set.
                 logger.warning("wake-ups need psycopg 3; polling every %s s", self.poll_interval)
@@ -588,10 +591,15 @@ class Consumer:
                 try:
                     claimed = None if missed else self._claim(turn)
                     missed = False
-                    if claimed is None and self._heard.is_set() and self.targets:
+                    session = None if self._listener is None else self._listener.session
+                    if claimed is None and self._heard.is_set() and session and self.targets:
                         # Registered while the session listens, a commit from now on
-                        # wakes us; this poll finds one that came before.
-                        services.register_idle(self.community_id, self.targets, using=self.using)
+                        # wakes us; this poll finds one that came before. The
+                        # registration names the listening session: while it lives,
+                        # this consumer waits for the wake-up.
+                        services.register_idle(
+                            self.community_id, self.targets, session=session, using=self.using
+                        )
                         claimed = self._claim(turn)
                 except CONNECTION_ERRORS as exc:
                     self._unreserve()

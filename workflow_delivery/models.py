@@ -570,12 +570,19 @@ class IdleWakeTarget(models.Model):
     """A (community, target) whose consumer found nothing to claim and now waits for a
     wake-up. The producer's insert notifies only the targets registered here and
     deletes their rows in the same statement: one notification per idle episode. An
-    unlogged table (migration 0015): a row is a hint, lost with a crash at no cost."""
+    unlogged table (migration 0013): a row is a hint, lost with a crash at no cost.
+
+    ``pid`` and ``backend_start`` name the database session that listens for the
+    registration's wake-up (by default the inserting session: migration 0024). A row
+    whose session is no longer in ``pg_stat_activity`` was left by a consumer that
+    died without taking it back: nobody waits for its wake-up."""
 
     pk = models.CompositePrimaryKey("community_id", "target_pubkey")
     community = _tenant_fk(Community, related_name="+")
     target_pubkey = models.BinaryField()
     registered_at = models.DateTimeField(db_default=TransactionNow(), editable=False)
+    pid = models.IntegerField(editable=False)
+    backend_start = models.DateTimeField(editable=False)
 
     class Meta:
         db_table = "workflow_delivery_idle_wake_targets"

@@ -4,7 +4,7 @@
 -- scripts/dump_schema from a freshly migrated database; tests/test_schema_sql.py
 -- fails when a migration changes the schema and this file does not follow.
 -- Read it to review; the migrations are what build it.
--- Migrations applied: 23, the last 0023_agent_turns.
+-- Migrations applied: 24, the last 0024_idle_registrant_session.
 
 -- Tables
 
@@ -101,7 +101,9 @@ CREATE TABLE workflow_delivery_agent_turns (
 CREATE UNLOGGED TABLE workflow_delivery_idle_wake_targets (
     target_pubkey bytea NOT NULL,
     registered_at timestamp with time zone DEFAULT CURRENT_TIMESTAMP NOT NULL,
-    community_id uuid NOT NULL
+    community_id uuid NOT NULL,
+    pid integer DEFAULT pg_backend_pid() NOT NULL,
+    backend_start timestamp with time zone DEFAULT wd_session_started() NOT NULL
 );
 
 CREATE TABLE workflow_delivery_timeline (
@@ -937,6 +939,16 @@ BEGIN
                   HINT = 'Run fenced statements in a READ COMMITTED transaction (the PostgreSQL default).';
     END IF;
 END
+$function$;
+
+CREATE OR REPLACE FUNCTION public.wd_session_started()
+ RETURNS timestamp with time zone
+ LANGUAGE sql
+ STABLE
+ SET search_path TO 'pg_catalog', 'public', 'pg_temp'
+AS $function$
+    SELECT a.backend_start
+      FROM pg_catalog.pg_stat_get_activity(pg_catalog.pg_backend_pid()) AS a
 $function$;
 
 CREATE OR REPLACE FUNCTION public.wd_withdraw_executor()

@@ -26,7 +26,9 @@ send.
 
 ``WakeListener`` holds its own psycopg 3 connection, outside Django's connection
 handling: ``LISTEN`` needs a session that stays open and idle between waits, which a
-pooled or per-request connection is not.
+pooled or per-request connection is not. Its ``session`` (the backend's pid and start)
+is what a registration names as the one waiting for the wake-up, so the admin can tell
+a registration whose listener is gone from one still waited for.
 """
 
 from __future__ import annotations
@@ -35,12 +37,21 @@ import functools
 import logging
 import time
 from dataclasses import dataclass
+from datetime import datetime
 from typing import Any
 from uuid import UUID
 
 from django.db import DEFAULT_DB_ALIAS, connections
 
-__all__ = ["WAKE_CHANNEL", "WakeListener", "WakeNotice", "available", "format_wake", "parse_wake"]
+__all__ = [
+    "WAKE_CHANNEL",
+    "ListenerSession",
+    "WakeListener",
+    "WakeNotice",
+    "available",
+    "format_wake",
+    "parse_wake",
+]
 
 WAKE_CHANNEL = "workflow_delivery_wake"
 
@@ -60,6 +71,22 @@ class WakeNotice:
     community_id: UUID
     target_pubkey: bytes
     delivery_id: UUID
+
+
+@dataclass(frozen=True, slots=True)
+class ListenerSession:
+    """A database session as ``pg_stat_activity`` names it: ``pid`` alone may be reused
+    by a later backend, ``(pid, backend_start)`` may not."""
+
+    pid: int
+    backend_start: datetime
+
+
+# The calling session's own row: every role sees all of it.
+_OWN_SESSION = (
+    "SELECT a.pid, a.backend_start"
+    " FROM pg_catalog.pg_stat_get_activity(pg_catalog.pg_backend_pid()) AS a"
+)
 
 
 def format_wake(community_id: UUID | str, target_pubkey: bytes, delivery_id: UUID | str) -> str:
@@ -140,6 +167,7 @@ class WakeListener:
         self.max_backoff = max_backoff
         self.reconnects = 0
         self._conn: Any = None
+        self._session: ListenerSession | None = None
         self._backoff = 0.0
         self._next_attempt = 0.0
         self._ever_connected = False
@@ -155,6 +183,12 @@ class WakeListener:
     def connected(self) -> bool:
         return self._conn is not None and not self._conn.closed
 
+    @property
+    def session(self) -> ListenerSession | None:
+        """The listening session (safe to read from any thread), or None while there is
+        none: what an idle registration names as the session its wake-up goes to."""
+        return self._session
+
     def connect(self) -> None:
         """Open the session and ``LISTEN``; raises ``psycopg.OperationalError`` if the
         server cannot be reached."""
@@ -167,16 +201,19 @@ class WakeListener:
         conn = psycopg.connect(autocommit=True, **connection_params(self.using))
         try:
             conn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(self.channel)))
+            pid, backend_start = conn.execute(_OWN_SESSION).fetchone()
         except BaseException:
             conn.close()
             raise
         self._conn = conn
+        self._session = ListenerSession(pid, backend_start)
         if self._ever_connected:
             self.reconnects += 1
         self._ever_connected = True
         self._backoff = 0.0
 
     def close(self) -> None:
+        self._session = None
         conn, self._conn = self._conn, None
         if conn is not None and not conn.closed:
             try:

@@ -16,6 +16,7 @@ from django.test import override_settings
 from tests import factories
 from tests.api.helpers import answer
 from tests.sessions import listening_sessions
+from workflow_delivery.admin_target import IDLE_LIVE, read_target_state
 from workflow_delivery.api.wake import hub
 from workflow_delivery.models import IdleWakeTarget, WorkflowAgentDelivery
 
@@ -83,6 +84,13 @@ def test_a_wait_polls_only_when_producers_send_no_wake_ups(client, agent, settin
     )
     if notify:
         assert answer(response, 204) is None and elapsed >= 3
+        # The registration names the hub's listening session, which gets the wake-up
+        # and outlives the request (whose connection is released while it waits).
+        (row,) = idle
+        session = hub.session
+        assert (row.pid, row.backend_start) == (session.pid, session.backend_start)
+        state = read_target_state(agent.step.community.id, agent.pubkey)
+        assert state.idle_session == IDLE_LIVE
     else:
         (delivery,) = WorkflowAgentDelivery.objects.filter(step_id="later")
         hint = answer(response, 200)

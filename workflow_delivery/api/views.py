@@ -373,8 +373,11 @@ def _claim_registered(community_id: UUID, pubkey: bytes, lease_seconds: int | No
 
     def work() -> Claimed | None:
         claimed = services.claim_enrolled(community_id, pubkey, lease_seconds=lease_seconds)
-        if claimed is None and listening:
-            services.register_idle(community_id, [pubkey])
+        session = hub.session
+        if claimed is None and listening and session is not None:
+            # The hub's session, not this request's: the request's connection is
+            # released while it waits, the hub's listens for the wake-up.
+            services.register_idle(community_id, [pubkey], session=session)
             claimed = services.claim_enrolled(community_id, pubkey, lease_seconds=lease_seconds)
         return claimed
 
@@ -689,8 +692,10 @@ def _pending_delivery(caller: Caller, *, register_idle: bool = False) -> UUID | 
     holds none."""
     with wait_gate:
         try:
-            if register_idle:
-                services.register_idle(caller.community_id, [caller.pubkey])
+            session = hub.session
+            if register_idle and session is not None:
+                # The hub's session, not this request's (released while it waits).
+                services.register_idle(caller.community_id, [caller.pubkey], session=session)
             return (
                 WorkflowAgentDelivery.objects.claimable()
                 .for_target(caller.community_id, caller.pubkey)

@@ -7,8 +7,9 @@ connection that LISTENs (``wakeups.WakeListener``), and resolves the futures of 
 lost and reopened session every waiter is answered empty, so its agent polls for
 anything sent meanwhile. Producers notify only targets registered as idle: the view
 registers its caller's (``services.register_idle``) once this hub listens, before its
-last look for a pending delivery. A wake is an accelerator only: the agent still claims
-through the ordinary path.
+last look for a pending delivery, naming this hub's listening session as the one its
+wake-up goes to (the request's own connection is closed while it waits). A wake is an
+accelerator only: the agent still claims through the ordinary path.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from uuid import UUID
 
 from django.db import DEFAULT_DB_ALIAS
 
-from ..wakeups import WakeListener, WakeNotice
+from ..wakeups import ListenerSession, WakeListener, WakeNotice
 
 _POLL_SECONDS = 0.5
 
@@ -55,6 +56,7 @@ class WakeHub:
         self._thread: threading.Thread | None = None
         self._listening = threading.Event()
         self._stop = threading.Event()
+        self._listener: WakeListener | None = None
 
     @property
     def waiting(self) -> int:
@@ -76,6 +78,13 @@ class WakeHub:
                 self._count -= 1
                 if not waiters:
                     del self._waiters[(community_id, target)]
+
+    @property
+    def session(self) -> ListenerSession | None:
+        """The session that LISTENs for this process's waiters, or None while none
+        does: what the waiters' idle registrations name."""
+        listener = self._listener
+        return None if listener is None else listener.session
 
     def ensure_listening(self, timeout: float = 5.0) -> bool:
         """Start the listener if it is not running; True once it is LISTENing."""
@@ -118,6 +127,7 @@ class WakeHub:
 
     def _run(self) -> None:
         listener = WakeListener(self.using)
+        self._listener = listener
         reconnects = 0
         try:
             while not self._stop.is_set():

@@ -50,6 +50,7 @@ from ..protocol import (
 from ..store import rows, run, statements
 from ..store.errors import REQUEST_REFUSED
 from ..validation import LEASE_SECONDS_BOUND, is_delay_seconds, is_whole_number
+from ..wakeups import ListenerSession
 from ._common import _max_attempts
 from .replay import _admission_params, _stored_admission, admitted_community
 
@@ -784,15 +785,33 @@ def holding(lease: Lease, *, using: str = DEFAULT_DB_ALIAS) -> Iterator[Held]:
 
 
 def register_idle(
-    community_id: UUID | str, targets: Iterable[bytes], *, using: str = DEFAULT_DB_ALIAS
+    community_id: UUID | str,
+    targets: Iterable[bytes],
+    *,
+    session: ListenerSession | None = None,
+    using: str = DEFAULT_DB_ALIAS,
 ) -> None:
     """Record that a consumer of ``targets`` found nothing to claim and is waiting for
     a wake-up: the next producer commit to one of them notifies (once) and consumes
     the registration. Call it only once the caller LISTENs, then poll once more
     before waiting: a delivery committed before the registration is found by that
     poll, one committed after it sends the wake. Commits on its own unless the
-    caller's transaction is open."""
-    _on_idle_targets(statements.REGISTER_IDLE, community_id, targets, using)
+    caller's transaction is open.
+
+    ``session`` is the session that LISTENs for the wake-up (``WakeListener.session``);
+    without it, the session this runs on. The registration names it, so a registration
+    left by a consumer that died shows as such: its session is gone. Registering again
+    renews the registration with the new session and time."""
+    if session is not None and not isinstance(session, ListenerSession):
+        raise ProtocolError("session", "must be a wakeups.ListenerSession or None")
+    _on_idle_targets(
+        statements.REGISTER_IDLE,
+        community_id,
+        targets,
+        using,
+        pid=None if session is None else session.pid,
+        backend_start=None if session is None else session.backend_start,
+    )
 
 
 def unregister_idle(
@@ -808,9 +827,10 @@ def _on_idle_targets(
     community_id: UUID | str,
     targets: Iterable[bytes],
     using: str,
+    **params: object,
 ) -> None:
     """``statement`` on the community's idle registrations of ``targets`` (checked,
-    each once, in key order); nothing for no targets."""
+    each once, in key order), with ``params`` besides; nothing for no targets."""
     community_id = as_uuid("community_id", community_id)
     if isinstance(targets, bytes | bytearray | str):
         raise ProtocolError("targets", "must be a list of 32-byte public keys")
@@ -818,7 +838,11 @@ def _on_idle_targets(
     if not keys:
         return
     with run.cursor(using) as cursor:
-        run.execute(cursor, statement, {"community_id": community_id, "target_pubkeys": keys})
+        run.execute(
+            cursor,
+            statement,
+            {"community_id": community_id, "target_pubkeys": keys, **params},
+        )
 
 
 def get_delivery(

@@ -237,11 +237,19 @@ SELECT n FROM sent
 # --- The holder ----------------------------------------------------------------------
 
 # A consumer with nothing to claim registers its targets as idle, once it listens and
-# before its last poll; an existing registration stays as it is.
+# before its last poll, naming the session its wake-up goes to (``pid`` and
+# ``backend_start``: its listener's, or else the registering session's own). Registering
+# again renews the registration: its session and time are the latest registrant's.
 REGISTER_IDLE = Statement(f"""
-INSERT INTO {IDLE} (community_id, target_pubkey)
-SELECT %(community_id)s::uuid, t FROM unnest(%(target_pubkeys)s::bytea[]) AS t
-ON CONFLICT DO NOTHING
+INSERT INTO {IDLE} (community_id, target_pubkey, pid, backend_start)
+SELECT %(community_id)s::uuid, t, s.pid, s.backend_start
+  FROM unnest(%(target_pubkeys)s::bytea[]) AS t,
+       (SELECT coalesce(%(pid)s::integer, a.pid) AS pid,
+               coalesce(%(backend_start)s::timestamptz, a.backend_start) AS backend_start
+          FROM pg_catalog.pg_stat_get_activity(pg_catalog.pg_backend_pid()) AS a) AS s
+ON CONFLICT (community_id, target_pubkey) DO UPDATE
+   SET pid = excluded.pid, backend_start = excluded.backend_start,
+       registered_at = excluded.registered_at
 """)
 
 # A consumer that stops cleanly takes its targets' registrations back: nothing of it
@@ -1235,7 +1243,10 @@ SELECT minutes.m, count(s.finished_at)
 # from the community's ``window`` most recent (two backward scans of the settled
 # index, one per terminal status) and only those are searched for the target. The last
 # claim is the newest ``last_claimed_at`` of the target's claimed and pending rows and
-# of its settles in that window.
+# of its settles in that window. An idle registration's session is looked up in
+# pg_stat_activity: 'live' when the backend of that pid started when the registration
+# says, 'gone' when no backend has the pid or a later one does, 'unseen' when the reading
+# role may not see that backend's start (a session of a role it is not a member of).
 _ERROR_COLUMNS = "last_error_type, last_error_message, last_error_at"
 _SETTLE_ROW = (
     "id, target_pubkey, status, attempts, attempts_at_retry, finished_at, last_claimed_at, "
@@ -1314,8 +1325,15 @@ claim AS (
       ) AS seen
 ),
 idle AS (
-    SELECT registered_at FROM {IDLE}
-     WHERE community_id = %(community)s AND target_pubkey = %(target)s
+    SELECT i.registered_at,
+           CASE WHEN a.pid IS NULL THEN 'gone'
+                WHEN a.backend_start IS NULL THEN 'unseen'
+                WHEN a.backend_start = i.backend_start THEN 'live'
+                ELSE 'gone'
+           END AS session
+      FROM {IDLE} AS i
+      LEFT JOIN pg_catalog.pg_stat_activity AS a ON a.pid = i.pid
+     WHERE i.community_id = %(community)s AND i.target_pubkey = %(target)s
 )
 SELECT statement_timestamp(), community.host, community.deletion_state,
        pending.total, pending.backing_off, pending.next_at, pending.oldest,
@@ -1324,7 +1342,7 @@ SELECT statement_timestamp(), community.host, community.deletion_state,
        settled.window_rows, settled.window_since, settled.total, settled.last_settled,
        settled.exhausted,
        error.last_error_type, error.last_error_message, error.last_error_at,
-       idle.registered_at
+       idle.registered_at, idle.session
   FROM pending
  CROSS JOIN claimed
  CROSS JOIN settled

@@ -707,9 +707,15 @@ WITH open AS (
 DELETE FROM "agent_request_replays" AS r USING doomed WHERE r.id = doomed.id;
 
 -- name: REGISTER_IDLE --
-INSERT INTO "workflow_delivery_idle_wake_targets" (community_id, target_pubkey)
-SELECT %(community_id)s::uuid, t FROM unnest(%(target_pubkeys)s::bytea[]) AS t
-ON CONFLICT DO NOTHING;
+INSERT INTO "workflow_delivery_idle_wake_targets" (community_id, target_pubkey, pid, backend_start)
+SELECT %(community_id)s::uuid, t, s.pid, s.backend_start
+  FROM unnest(%(target_pubkeys)s::bytea[]) AS t,
+       (SELECT coalesce(%(pid)s::integer, a.pid) AS pid,
+               coalesce(%(backend_start)s::timestamptz, a.backend_start) AS backend_start
+          FROM pg_catalog.pg_stat_get_activity(pg_catalog.pg_backend_pid()) AS a) AS s
+ON CONFLICT (community_id, target_pubkey) DO UPDATE
+   SET pid = excluded.pid, backend_start = excluded.backend_start,
+       registered_at = excluded.registered_at;
 
 -- name: REINSTATE_AGENT --
 UPDATE "community_agents" AS a
@@ -1552,8 +1558,15 @@ claim AS (
       ) AS seen
 ),
 idle AS (
-    SELECT registered_at FROM "workflow_delivery_idle_wake_targets"
-     WHERE community_id = %(community)s AND target_pubkey = %(target)s
+    SELECT i.registered_at,
+           CASE WHEN a.pid IS NULL THEN 'gone'
+                WHEN a.backend_start IS NULL THEN 'unseen'
+                WHEN a.backend_start = i.backend_start THEN 'live'
+                ELSE 'gone'
+           END AS session
+      FROM "workflow_delivery_idle_wake_targets" AS i
+      LEFT JOIN pg_catalog.pg_stat_activity AS a ON a.pid = i.pid
+     WHERE i.community_id = %(community)s AND i.target_pubkey = %(target)s
 )
 SELECT statement_timestamp(), community.host, community.deletion_state,
        pending.total, pending.backing_off, pending.next_at, pending.oldest,
@@ -1562,7 +1575,7 @@ SELECT statement_timestamp(), community.host, community.deletion_state,
        settled.window_rows, settled.window_since, settled.total, settled.last_settled,
        settled.exhausted,
        error.last_error_type, error.last_error_message, error.last_error_at,
-       idle.registered_at
+       idle.registered_at, idle.session
   FROM pending
  CROSS JOIN claimed
  CROSS JOIN settled
