@@ -5,6 +5,8 @@ committed and, called again, deletes the rest."""
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 
 from tests import factories
@@ -53,7 +55,9 @@ def test_between_batches_the_lock_is_free_and_the_deletions_committed():
             left = rows_left(session, community_id)
             seen.append((taken, sum(left.values()), sum(totals.values())))
 
-        deleted = fence.purge_community(community_id, generation, batch_size=4, progress=between)
+        deleted = fence.purge_community(
+            community_id, generation, batch_size=4, batch_seconds=0, progress=between
+        )
         assert rows_left(session, community_id) == dict.fromkeys(TABLES, 0)
     total = sum(before.values())
     assert deleted == before and total > 8
@@ -77,12 +81,14 @@ def test_a_purge_interrupted_midway_keeps_its_batches_and_resumes():
     with other() as session:
         before = rows_left(session, community_id)
         with pytest.raises(Interrupted) as caught:
-            fence.purge_community(community_id, generation, batch_size=5, progress=stop)
+            fence.purge_community(
+                community_id, generation, batch_size=5, batch_seconds=0, progress=stop
+            )
         (first,) = caught.value.args
         assert sum(first.values()) == 5
         left = rows_left(session, community_id)
         assert {table: before[table] - left[table] for table in TABLES} == first
-        rest = fence.purge_community(community_id, generation, batch_size=5)
+        rest = fence.purge_community(community_id, generation, batch_size=5, batch_seconds=0)
         assert rows_left(session, community_id) == dict.fromkeys(TABLES, 0)
     assert {table: first[table] + rest[table] for table in TABLES} == before
 
@@ -92,3 +98,39 @@ def test_a_batch_size_that_is_not_a_positive_whole_number_is_refused(size):
     community_id, generation = fenced_community(steps=1, targets=1)
     with pytest.raises(ProtocolError, match="batch_size"):
         fence.purge_community(community_id, generation, batch_size=size)
+
+
+def batch_sizes(community_id, generation, **options) -> list[int]:
+    """The rows each batch of a purge deleted."""
+    totals: list[int] = [0]
+
+    def seen(deleted: dict[str, int]) -> None:
+        totals.append(sum(deleted.values()))
+
+    fence.purge_community(community_id, generation, progress=seen, **options)
+    return [after - before for before, after in itertools.pairwise(totals)]
+
+
+def test_a_batch_over_its_time_makes_the_next_smaller():
+    community_id, generation = fenced_community()
+    # Every batch takes longer than a microsecond: each next one is cut to one row.
+    sizes = batch_sizes(community_id, generation, batch_size=10, batch_seconds=1e-6)
+    assert sizes[0] == 10 and len(sizes) > 2
+    assert set(sizes[1:]) == {1}
+
+
+def test_a_quick_batch_makes_the_next_larger_up_to_the_batch_size():
+    community_id, generation = fenced_community(steps=20, targets=10)
+    most = fence.FIRST_PURGE_BATCH + fence.FIRST_PURGE_BATCH // 2
+    sizes = batch_sizes(community_id, generation, batch_size=most, batch_seconds=3600)
+    # The first batch holds FIRST_PURGE_BATCH rows; the next would double, but no batch
+    # holds more than the batch size.
+    assert sum(sizes) > fence.FIRST_PURGE_BATCH + 2 * most
+    assert sizes[:3] == [fence.FIRST_PURGE_BATCH, most, most]
+
+
+@pytest.mark.parametrize("seconds", [-1, "0.2", float("inf"), True])
+def test_batch_seconds_that_are_not_a_number_of_seconds_are_refused(seconds):
+    community_id, generation = fenced_community(steps=1, targets=1)
+    with pytest.raises(ProtocolError, match="batch_seconds"):
+        fence.purge_community(community_id, generation, batch_seconds=seconds)

@@ -485,6 +485,7 @@ def test_get_delivery_and_the_api_document_carry_the_last_error(settings):
         ({"WORKFLOW_DELIVERY_RETRY_BACKOFF_SECONDS": -1}, ["workflow_delivery.E020"]),
         ({"WORKFLOW_DELIVERY_RETRY_BACKOFF_MAX_SECONDS": "300"}, ["workflow_delivery.E020"]),
         ({"WORKFLOW_DELIVERY_RETRY_BACKOFF_MAX_SECONDS": math.inf}, ["workflow_delivery.E020"]),
+        ({"WORKFLOW_DELIVERY_PURGE_BATCH_SECONDS": -0.5}, ["workflow_delivery.E020"]),
         (
             {
                 "WORKFLOW_DELIVERY_RETRY_BACKOFF_SECONDS": 10,

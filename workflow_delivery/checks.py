@@ -158,7 +158,7 @@ def check_settings(app_configs: Any = None, **kwargs: Any) -> list:
         message = E023_MSG.format(bound=AGENT_TURN_TEXT_MAX_BYTES, value=transcript)
         errors.append(checks.Error(message, id="workflow_delivery.E023"))
     backoff = {}
-    for name in ("RETRY_BACKOFF_SECONDS", "RETRY_BACKOFF_MAX_SECONDS"):
+    for name in ("RETRY_BACKOFF_SECONDS", "RETRY_BACKOFF_MAX_SECONDS", "PURGE_BATCH_SECONDS"):
         value = backoff[name] = getattr(app_settings, name)
         if not is_delay_seconds(value):
             message = E020_MSG.format(name=name, bound=LEASE_SECONDS_BOUND, value=value)

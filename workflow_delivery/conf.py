@@ -59,6 +59,9 @@ DEFAULTS: dict[str, Any] = {
     # Rows one transaction of a community's purge deletes at most: the exclusive
     # deletion lock is held for one such batch at a time.
     "PURGE_BATCH_SIZE": 2000,
+    # Seconds one batch of a purge aims to hold the exclusive deletion lock: the next
+    # batch's size follows the last one's time (0: every batch PURGE_BATCH_SIZE rows).
+    "PURGE_BATCH_SECONDS": 0.2,
     # send_message's bounds on a new message: its content's encoded size (UTF-8; a JSON
     # value's compact encoding), the number of the caller's tags, and their encoded
     # size (UTF-8 of their compact JSON), each checked before anything is stored.

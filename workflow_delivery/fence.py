@@ -12,6 +12,7 @@ the settings itself is still refused.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from uuid import UUID
@@ -32,6 +33,7 @@ from .models import DeletionState
 from .protocol import as_uuid
 from .store import run, statements
 from .store.errors import database_errors, sqlstate
+from .validation import is_delay_seconds
 
 
 def _state(value: str) -> DeletionState:
@@ -151,6 +153,7 @@ def purge_community(
     generation: int,
     *,
     batch_size: int | None = None,
+    batch_seconds: float | None = None,
     progress: Callable[[dict[str, int]], None] | None = None,
     using: str = DEFAULT_DB_ALIAS,
 ) -> dict[str, int]:
@@ -160,7 +163,13 @@ def purge_community(
     The rows go in batches of at most ``batch_size`` (``WORKFLOW_DELIVERY_PURGE_BATCH_SIZE``),
     each in a transaction of its own that holds the community's exclusive deletion
     lock only while it deletes them: between two, the lock is free, and the
-    community's requests and lifecycle wait for one batch at most. ``progress`` is
+    community's requests and lifecycle wait for one batch at most. The batch's size
+    follows its time: the first holds at most ``FIRST_PURGE_BATCH`` rows; one that
+    took longer than ``batch_seconds`` (``WORKFLOW_DELIVERY_PURGE_BATCH_SECONDS``) makes
+    the next smaller in proportion, one that took under half of it makes the next
+    twice as large, up to ``batch_size``; so a slow server (a busy one, or rows whose
+    deletion costs more) still holds the lock about ``batch_seconds`` at a time. With
+    ``batch_seconds`` 0 every batch holds ``batch_size`` rows. ``progress`` is
     called after each batch with the totals so far. A purge interrupted midway
     keeps the batches it committed; called again, it deletes what is left. Inside
     the caller's transaction the batches are part of it (and the lock held to its
@@ -174,15 +183,22 @@ def purge_community(
     caller's transaction cannot try again. Either way the caller gets
     ``PurgeDeadlocked``, never the driver's error."""
     community_id = as_uuid("community_id", community_id)
-    size = app_settings.PURGE_BATCH_SIZE if batch_size is None else batch_size
-    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
-        raise ProtocolError("batch_size", f"must be a positive whole number, not {size!r}")
+    most = app_settings.PURGE_BATCH_SIZE if batch_size is None else batch_size
+    if isinstance(most, bool) or not isinstance(most, int) or most < 1:
+        raise ProtocolError("batch_size", f"must be a positive whole number, not {most!r}")
+    target = app_settings.PURGE_BATCH_SECONDS if batch_seconds is None else batch_seconds
+    if not is_delay_seconds(target):
+        raise ProtocolError(
+            "batch_seconds", f"must be a number of seconds, 0 or more, not {target!r}"
+        )
+    size = most if not target else min(most, FIRST_PURGE_BATCH)
     attempts = 1 if connections[using].in_atomic_block else PURGE_ATTEMPTS
     deleted = {table: 0 for table, _ in statements.PURGE}
     while True:
         attempt = 0
         while True:
             attempt += 1
+            started = time.monotonic()
             try:
                 batch = _purge_batch(community_id, generation, size, using)
                 break
@@ -194,12 +210,28 @@ def purge_community(
                         f"community {community_id}: a batch of the purge was a deadlock's "
                         f"victim {attempt} time(s); the batches before it are deleted"
                     ) from exc
+        held = time.monotonic() - started
         for table, count in batch.items():
             deleted[table] += count
         if not any(batch.values()):
             return deleted
+        if target:
+            size = _next_batch_size(size, most, held, target)
         if progress is not None:
             progress(dict(deleted))
+
+
+# Rows the first batch of a purge that follows its time deletes at most.
+FIRST_PURGE_BATCH = 100
+
+
+def _next_batch_size(size: int, most: int, held: float, target: float) -> int:
+    """The next batch's size after one of ``size`` rows took ``held`` seconds."""
+    if held > target:
+        return max(1, int(size * target / held))
+    if held < target / 2:
+        return min(most, size * 2)
+    return size
 
 
 def _purge_batch(community_id: UUID, generation: int, size: int, using: str) -> dict[str, int]:
