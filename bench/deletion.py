@@ -189,7 +189,11 @@ def _hold_timer(holds: list[float]):
         last[0] = now
         if now - shown[0] >= 5:
             shown[0] = now
-            print(f"  {sum(totals.values())} rows deleted, {len(holds)} batches", flush=True)
+            print(
+                f"  {sum(totals.values())} rows deleted, {len(holds)} batches,"
+                f" longest {max(holds) * 1000:.0f} ms",
+                flush=True,
+            )
 
     return progress
 
