@@ -8,7 +8,12 @@ import difflib
 import pytest
 
 from workflow_delivery.store import statements
-from workflow_delivery.store.statements_sql import STATEMENTS_SQL, named_statements, statements_text
+from workflow_delivery.store.statements_sql import (
+    STATEMENTS_SQL,
+    named_statements,
+    statement_modules,
+    statements_text,
+)
 
 
 def test_statements_sql_is_what_the_store_builds():
@@ -36,3 +41,14 @@ def test_every_statement_is_named_once_and_its_text_is_whole():
     for cause, statement in statements.CLAIM_EXPECTED.items():
         assert named[f"CLAIM_EXPECTED[{cause}]"] == statement.text
     assert f"-- name: FINISH --\n{statements.FINISH.text.strip()};\n" in statements_text()
+
+
+def test_every_module_of_the_package_is_read_and_each_statement_is_named_by_the_package():
+    modules = {module.__name__.rsplit(".", 1)[1] for module in statement_modules()}
+    assert {"producer", "holder", "maintenance", "roster", "fence", "api", "reads"} <= modules
+    named = {name.split("[", 1)[0] for name, _ in named_statements()}
+    # Callers write statements.NAME: the package names each statement of its modules.
+    assert sorted(name for name in named if not hasattr(statements, name)) == []
+    for module in statement_modules():
+        for name in named & set(vars(module)):
+            assert getattr(statements, name) is vars(module)[name], f"{module.__name__}.{name}"
