@@ -44,14 +44,50 @@ def _entries(name: str, value: object) -> list[tuple[str, str]]:
         return [(f"{name}[{key}]", value[key].text) for key in sorted(value)]
     if isinstance(value, list | tuple) and value and all(isinstance(v, Statement) for v in value):
         return [(f"{name}[{index}]", each.text) for index, each in enumerate(value)]
+    if (
+        isinstance(value, list | tuple)
+        and value
+        and all(isinstance(v, tuple) and len(v) == 2 and isinstance(v[1], Statement) for v in value)
+    ):
+        # (key, statement) pairs, in their order: PURGE's, by table.
+        return [(f"{name}[{key}]", each.text) for key, each in value]
     return []
 
 
+# What the builders make on demand, for the arguments shown: each insert a producer
+# may wrap in its wake-ups, and the reaper's batch at the default size, with the
+# default attempts cap and without one.
+NOTIFYING = (
+    "INSERT_DELIVERIES",
+    "INSERT_SHARED_DELIVERIES",
+    "LOCK_AND_INSERT_DELIVERIES",
+    "LOCK_AND_INSERT_SHARED_DELIVERIES",
+)
+REAP_BATCH = ((500, 20), (500, None))
+
+
+def built_statements() -> dict[str, list[tuple[str, str]]]:
+    """The builders' statements (``NOTIFYING``, ``REAP_BATCH``), by builder."""
+    from . import statements
+
+    return {
+        "notifying": [
+            (f"notifying({name})", statements.notifying(getattr(statements, name)).text)
+            for name in NOTIFYING
+        ],
+        "reap_batch": [
+            (f"reap_batch({size}, {cap})", statements.reap_batch(size, cap).text)
+            for size, cap in REAP_BATCH
+        ],
+    }
+
+
 def named_statements() -> list[tuple[str, str]]:
-    """(name, text) of every public statement of every module of ``statements``, in a
-    stable order: by name, then a dictionary's by key and a list's by position. A
-    name two modules share (one imports the other's) must be the same statement."""
-    by_name: dict[str, list[tuple[str, str]]] = {}
+    """(name, text) of every public statement of every module of ``statements`` and of
+    its builders (``built_statements``), in a stable order: by name, then a
+    dictionary's by key and a list's by position. A name two modules share (one
+    imports the other's) must be the same statement."""
+    by_name = built_statements()
     for module in statement_modules():
         for name, value in vars(module).items():
             entries = _entries(name, value) if not name.startswith("_") else []
