@@ -7,20 +7,17 @@ The operations are the holder's, built from the same ``fragments``.
 
 from __future__ import annotations
 
-from ..rows import RECORD_COLUMNS
 from ..statement import Statement
 from .fragments import (
     BY_ID,
     CAUSES,
-    CLAIM_PICKED,
+    CLAIMED_RECORD,
     COMMUNITIES,
     DELETION_KEY,
     EVENTS,
     EXPECTED,
     REPLAYS,
-    STAMP,
-    picked,
-    quote_name,
+    claiming,
     renew_live_lease,
     seen_status,
     settle_and_claim,
@@ -112,9 +109,8 @@ _CALLER = "%(pubkey)s"
 # Raises ``errors.REQUEST_REFUSED``: the request's statement rolls back as a whole.
 _REFUSE = "wd_refuse_request('lease_lost')"
 
-# A claimed row ``n``'s record and its message event (the event's columns NULL when
-# the event is not stored), read as ``protocol.stored_message`` takes them.
-_CLAIMED_RECORD = ", ".join(f"n.{quote_name(column)}" for column in RECORD_COLUMNS)
+# A claimed row ``n``'s message event (the event's columns NULL when the event is not
+# stored), read as ``protocol.stored_message`` takes them.
 _MESSAGE_COLUMNS = (
     "e.id, e.created_at, e.pubkey, e.kind, e.tags::text, e.content, e.content_json IS NOT NULL"
 )
@@ -142,11 +138,8 @@ def _served_claim(match: str = "", limit: str = "%(limit)s") -> Statement:
     one row of admission alone when nothing was claimed. Parameters after the
     admission's: ``lease_seconds``, ``limit`` and ``match``'s."""
     return _admitted(
-        f"""{picked(_ADMITTED_COMMUNITY, _CALLER, match, limit)},
-{STAMP},
-claimed AS ({CLAIM_PICKED}
-)""",
-        f"""SELECT {_ADMISSION}, {_CLAIMED_RECORD}, {_MESSAGE_COLUMNS}
+        claiming(_ADMITTED_COMMUNITY, _CALLER, match, limit),
+        f"""SELECT {_ADMISSION}, {CLAIMED_RECORD}, {_MESSAGE_COLUMNS}
   FROM admission AS a
   LEFT JOIN claimed AS n ON true
   {_MESSAGE_OF_CLAIMED}""",
@@ -197,7 +190,7 @@ SERVED_FINISH_AND_CLAIM_NEXT = _admitted(
     f"""{settle_and_claim(_ADMITTED_COMMUNITY, _CALLER, _CALLER, error=False)},
 {_SERVED_SEEN}""",
     f"""SELECT {_ADMISSION}, seen.settled, seen.status, {_REFUSE_UNLESS_SETTLED},
-       {_CLAIMED_RECORD}, {_MESSAGE_COLUMNS}
+       {CLAIMED_RECORD}, {_MESSAGE_COLUMNS}
   FROM admission AS a CROSS JOIN seen
   LEFT JOIN claimed AS n ON true
   {_MESSAGE_OF_CLAIMED}""",
@@ -215,11 +208,8 @@ _ENROLLED = (
     "(SELECT wd_agent_standing(%(community_id)s::uuid, %(target_pubkey)s::bytea)) = 'enabled' AND "
 )
 CLAIM_ENROLLED = Statement(f"""
-WITH {picked("%(community_id)s", "%(target_pubkey)s", gate=_ENROLLED)},
-{STAMP},
-claimed AS ({CLAIM_PICKED}
-)
-SELECT {_CLAIMED_RECORD}, {_MESSAGE_COLUMNS}
+WITH {claiming("%(community_id)s", "%(target_pubkey)s", gate=_ENROLLED)}
+SELECT {CLAIMED_RECORD}, {_MESSAGE_COLUMNS}
   FROM claimed AS n
   {_MESSAGE_OF_CLAIMED}
 """)

@@ -73,6 +73,13 @@ def entering_fence_once(community: str) -> str:
 
 # --- The claim -----------------------------------------------------------------------
 
+# A row a claim may take: pending, and past its backoff by the statement's clock (a
+# retried row waits until ``available_at``). The literal 'pending' lets a generic plan
+# use the claim index; the backoff is a filter on that index scan. ``picked`` takes
+# the community's shared deletion lock before the scan (``entering_fence_once``).
+CLAIMABLE = """status = 'pending'
+       AND (available_at IS NULL OR available_at <= statement_timestamp())"""
+
 # A claim stamps its lease by clock_timestamp(), the moment the row is taken: a claim
 # statement that began before the row was last reaped can still take it (the locking
 # read re-checks the newest version), and its own start would then date the new lease
@@ -98,19 +105,29 @@ def picked(community: str, target: str, match: str = "", limit: str = "1", gate:
     ``community`` and ``target`` expressions) that also meet ``match`` (more
     conditions on the row) and ``gate`` (a condition of no row, asked first). The
     oldest pending row nobody else holds: a locked row is someone else's claim in
-    flight, so it is skipped rather than queued behind. The literal 'pending' lets a
-    generic plan use the claim index; a retried row still backing off is passed over
-    by a filter on that index scan."""
+    flight, so it is skipped rather than queued behind (``CLAIMABLE``)."""
     return f"""picked AS (
     SELECT id FROM {DELIVERIES}
      WHERE {gate}community_id = {community} AND target_pubkey = {target}{match}
-       AND status = 'pending'
-       AND (available_at IS NULL OR available_at <= statement_timestamp())
+       AND {CLAIMABLE}
        AND {entering_fence_once(community + "::uuid")}
      ORDER BY created_at, id
      LIMIT {limit}
      FOR UPDATE SKIP LOCKED
 )"""
+
+
+def claiming(community: str, target: str, match: str = "", limit: str = "1", gate: str = "") -> str:
+    """The claim as CTEs of a larger statement: ``picked`` (of these arguments),
+    ``stamp``, and ``claimed``, the claimed rows' records (``CLAIMED_RECORD``)."""
+    return f"""{picked(community, target, match, limit, gate)},
+{STAMP},
+claimed AS ({CLAIM_PICKED}
+)"""
+
+
+# The record of a row of ``claimed``, read as ``n``, in the order ``rows`` decodes it.
+CLAIMED_RECORD = ", ".join(f"n.{quote_name(column)}" for column in RECORD_COLUMNS)
 
 
 # The single claim, in the shapes its callers use: any row of the target, exactly one
@@ -242,7 +259,4 @@ def settle_and_claim(community: str, target: str, next_target: str, *, error: bo
     return f"""settled AS (
 {settle_live_lease(community, target, error=error)}
 ),
-{picked(community, next_target, gate=gate)},
-{STAMP},
-claimed AS ({CLAIM_PICKED}
-)"""
+{claiming(community, next_target, gate=gate)}"""

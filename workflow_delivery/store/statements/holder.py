@@ -7,7 +7,6 @@ Built from ``fragments``: the claim's, the live-lease rule's, the settle's.
 
 from __future__ import annotations
 
-from ..rows import RECORD_COLUMNS
 from ..statement import Statement
 from .fragments import (
     AGENT_TURNS,
@@ -16,6 +15,7 @@ from .fragments import (
     CAPABILITY,
     CAUSES,
     CLAIM_PICKED,
+    CLAIMED_RECORD,
     DELIVERIES,
     ERROR_NOTE,
     EVENTS,
@@ -28,7 +28,6 @@ from .fragments import (
     STAMP,
     live_lease,
     picked,
-    quote_name,
     renew_live_lease,
     seen_status,
     settle_and_claim,
@@ -54,7 +53,8 @@ DELETE FROM {IDLE}
 
 def _claim(match: str = "", limit: str = "1") -> Statement:
     """The claim of up to ``limit`` of a target's oldest pending rows that also meet
-    ``match`` (``picked``). Parameters: ``community_id``, ``target_pubkey``,
+    ``match`` (``picked``), as the statement itself: ``claiming``'s CTEs with the
+    update of the winners as the main statement. Parameters: ``community_id``, ``target_pubkey``,
     ``lease_seconds``, and ``match``'s."""
     rows = picked("%(community_id)s", "%(target_pubkey)s", match, limit)
     return Statement(f"""
@@ -155,12 +155,11 @@ def _finish_and_claim_next(*, error: bool) -> Statement:
         "%(community_id)s", "%(target_pubkey)s", "%(next_target_pubkey)s", error=error
     )
     note = f"{ERROR_NOTE},\n" if error else ""
-    record = ", ".join(f"n.{quote_name(column)}" for column in RECORD_COLUMNS)
     return Statement(f"""
 WITH {note}{operation}
 SELECT s.status,
        {seen_status("%(community_id)s", "%(target_pubkey)s", "s.status IS NULL")},
-       {record}
+       {CLAIMED_RECORD}
   FROM (SELECT 1) AS one
   LEFT JOIN settled AS s ON true
   LEFT JOIN claimed AS n ON true
