@@ -17,6 +17,7 @@ from .fragments import (
     EVENTS,
     EXPECTED,
     REPLAYS,
+    TERMINAL,
     claiming,
     renew_live_lease,
     seen_status,
@@ -24,14 +25,18 @@ from .fragments import (
     settle_live_lease,
 )
 
+# Whether the event is fresh: its created_at within ``skew`` seconds of the
+# database's clock.
+_CLOCK = """clock AS (
+    SELECT abs(extract(epoch FROM now()) - %(created_at)s::bigint) <= %(skew)s::bigint AS fresh
+)"""
+
 # The agent API's freshness check and replay guard in one statement, both by the
 # database clock: a fresh event's id is recorded, and ON CONFLICT makes a second
 # arrival of the same event (from any process, at the same instant, for any
 # community) insert nothing. Answers (fresh, recorded).
 ACCEPT_REQUEST_EVENT = Statement(f"""
-WITH clock AS (
-    SELECT abs(extract(epoch FROM now()) - %(created_at)s::bigint) <= %(skew)s::bigint AS fresh
-), recorded AS (
+WITH {_CLOCK}, recorded AS (
     INSERT INTO {REPLAYS} (community_id, event_id, event_created_at)
     SELECT %(community_id)s::uuid, %(event_id)s::bytea, to_timestamp(%(created_at)s::bigint)
       FROM clock WHERE clock.fresh
@@ -56,9 +61,7 @@ SELECT clock.fresh, EXISTS (SELECT 1 FROM recorded) FROM clock
 # ``event_id``.
 ADMISSION_DELETING = "deleting"
 _ADMISSION_CTES = f"""
-WITH clock AS (
-    SELECT abs(extract(epoch FROM now()) - %(created_at)s::bigint) <= %(skew)s::bigint AS fresh
-), community AS (
+WITH {_CLOCK}, community AS (
     SELECT id FROM {COMMUNITIES} WHERE lower(host) = lower(%(host)s::text)
 ), gate AS MATERIALIZED (
     SELECT id, pg_try_advisory_xact_lock_shared({DELETION_KEY.format(column="id")}) AS open
@@ -128,7 +131,7 @@ _SERVED_SEEN = f"""seen AS (
       FROM admission AS a LEFT JOIN settled AS s ON true
 )"""
 _REFUSE_UNLESS_SETTLED = f"""CASE WHEN seen.recorded AND seen.settled IS NULL
-                 AND (seen.status IS NULL OR seen.status NOT IN ('finished', 'failed'))
+                 AND (seen.status IS NULL OR seen.status NOT IN {TERMINAL})
             THEN {_REFUSE} END"""
 
 

@@ -71,6 +71,29 @@ def entering_fence_once(community: str) -> str:
     return f"(SELECT pg_advisory_xact_lock_shared({key})) IS NOT NULL"
 
 
+# --- A row's transitions ---------------------------------------------------------------
+
+# The fence bumped: every write that ends or hands out a lease moves the generation on,
+# so a capability of the generation before is dead (a late renew or finish is lease
+# lost). Written on a delivery row ``d``.
+FENCE_BUMP = "lease_generation = d.lease_generation + 1"
+# The lease fields a row gives up when its lease ends.
+LEASE_CLEARED = "lease_until = NULL, claimed_at = NULL"
+# Back to pending with the fence bumped, so the holder's lease is dead (reap, release).
+BACK_TO_PENDING = f"status = 'pending', {FENCE_BUMP}, {LEASE_CLEARED}"
+# The lease fields a terminal row gives up (finish, operator mark failed).
+SETTLE = f"finished_at = statement_timestamp(), {LEASE_CLEARED}"
+# The terminal statuses: a row settled once, never claimed or settled again
+# (wd_delivery_transition_guard), but for an operator's retry of a failed one.
+TERMINAL = "('finished', 'failed')"
+
+
+def attempts_exhausted(cap: str, row: str = "d.") -> str:
+    """Whether the row has used every attempt ``cap`` allows since its last operator
+    retry (a NULL cap: never)."""
+    return f"{row}attempts - {row}attempts_at_retry >= {cap}"
+
+
 # --- The claim -----------------------------------------------------------------------
 
 # A row a claim may take: pending, and past its backoff by the statement's clock (a
@@ -91,7 +114,7 @@ STAMP = "stamp AS (SELECT clock_timestamp() AS at FROM (SELECT count(*) FROM pic
 CLAIM_PICKED = f"""
 UPDATE {DELIVERIES} AS d
    SET status = 'claimed',
-       lease_generation = d.lease_generation + 1,
+       {FENCE_BUMP},
        claimed_at = stamp.at,
        lease_until = stamp.at + make_interval(secs => %(lease_seconds)s),
        available_at = NULL
@@ -146,14 +169,6 @@ CAUSES = ("cause_event_id", "cause_scheduled_for", "cause_webhook_invocation_id"
 
 
 # --- The lease -----------------------------------------------------------------------
-
-# Back to pending with the fence bumped, so the holder's lease is dead (reap, release).
-BACK_TO_PENDING = (
-    "status = 'pending', lease_generation = d.lease_generation + 1, "
-    "lease_until = NULL, claimed_at = NULL"
-)
-# The lease fields a terminal row gives up (finish, operator mark failed).
-SETTLE = "finished_at = statement_timestamp(), lease_until = NULL, claimed_at = NULL"
 
 
 # The four conditions of a live lease: claimed, same generation, same target, not

@@ -20,12 +20,15 @@ from .fragments import (
     ERROR_NOTE,
     EVENTS,
     EXPECTED,
+    FENCE_BUMP,
     IDLE,
+    LEASE_CLEARED,
     LIVE_LEASE,
     LIVE_LEASE_AT_STATEMENT,
     RECORD_ERROR,
     SETTLE,
     STAMP,
+    attempts_exhausted,
     live_lease,
     picked,
     renew_live_lease,
@@ -115,15 +118,16 @@ SELECT l.n, s.n IS NOT NULL,
 # none), settled failed as the reaper settles such a lease. The wait is the caller's
 # delay if given, else min(most, base * 2^(attempts - 1)) times a random factor from
 # 0.5 to 1, so retries of many deliveries that failed together spread out.
+_EXHAUSTED = attempts_exhausted("p.cap")
 RETRY = Statement(f"""
 WITH {ERROR_NOTE}
 UPDATE {DELIVERIES} AS d
-   SET status = CASE WHEN d.attempts - d.attempts_at_retry >= p.cap THEN 'failed'
+   SET status = CASE WHEN {_EXHAUSTED} THEN 'failed'
                      ELSE 'pending' END,
-       lease_generation = d.lease_generation + 1, lease_until = NULL, claimed_at = NULL,
-       finished_at = CASE WHEN d.attempts - d.attempts_at_retry >= p.cap
+       {FENCE_BUMP}, {LEASE_CLEARED},
+       finished_at = CASE WHEN {_EXHAUSTED}
                           THEN statement_timestamp() END,
-       available_at = CASE WHEN d.attempts - d.attempts_at_retry >= p.cap THEN NULL
+       available_at = CASE WHEN {_EXHAUSTED} THEN NULL
            ELSE statement_timestamp() + make_interval(secs => coalesce(
                p.delay,
                least(p.most, p.base * power(2::float8, least(greatest(d.attempts - 1, 0), 60)))

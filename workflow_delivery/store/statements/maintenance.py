@@ -9,7 +9,18 @@ from functools import lru_cache
 
 from ...validation import is_whole_number
 from ..statement import Statement
-from .fragments import BACK_TO_PENDING, COMMUNITIES, DELIVERIES, REPLAYS, SETTLE, TIMELINE
+from .fragments import (
+    BACK_TO_PENDING,
+    COMMUNITIES,
+    DELIVERIES,
+    FENCE_BUMP,
+    LEASE_CLEARED,
+    REPLAYS,
+    SETTLE,
+    TERMINAL,
+    TIMELINE,
+    attempts_exhausted,
+)
 
 # Who writes in this transaction, for the timeline triggers (wd_delivery_timeline and
 # wd_delivery_timeline_commit).
@@ -28,6 +39,8 @@ SET_TIMELINE = Statement("SELECT set_config('workflow_delivery.timeline', %(time
 # the statement keeps the row trigger off its rows with ``_RECORDING_ON`` (before any
 # row is written) and ``_RECORDING_OFF`` (aggregating ``moved``, so only once every
 # row is written), and the setting never outlives the statement.
+# Whether the session's timeline is on (``SET_TIMELINE``).
+_TIMELINE_ON = "current_setting('workflow_delivery.timeline', true) IS DISTINCT FROM 'off'"
 _RECORDING_ON = "set_config('workflow_delivery.recorded_by_statement', 'on', true)"
 _RECORDING_OFF = """
 recording_done AS (
@@ -52,7 +65,7 @@ recorded AS (
                   (2, clock_timestamp(), m.kind, m.lease_generation, m.status_before, m.status,
                    {actor})
      ) AS e (n, at, kind, generation, status_before, status_after, actor)
-     WHERE current_setting('workflow_delivery.timeline', true) IS DISTINCT FROM 'off'
+     WHERE {_TIMELINE_ON}
        AND (e.n = 2 OR (m.status_before = 'claimed' AND NOT EXISTS (
            SELECT 1 FROM {TIMELINE} AS t
             WHERE t.community_id = m.community_id AND t.delivery_id = m.id
@@ -98,9 +111,7 @@ def reap_batch(size: int, cap: int | None) -> Statement:
         raise TypeError(f"cap must be an int or None, not {cap!r}")
     # int() of an int subclass (an IntEnum, say) is the plain number, in digits.
     limit = str(int(size))
-    exhausted = (
-        f"d.attempts - d.attempts_at_retry >= {'NULL' if cap is None else str(int(cap))}::integer"
-    )
+    exhausted = attempts_exhausted(f"{'NULL' if cap is None else str(int(cap))}::integer")
     return Statement(f"""
 WITH recording AS MATERIALIZED (SELECT {_RECORDING_ON} AS name),
 -- Rows another transaction holds (a holder inside holding() past its lease) are
@@ -147,7 +158,7 @@ expired AS (
 moved AS (
     UPDATE {DELIVERIES} AS d
        SET status = CASE WHEN {exhausted} THEN 'failed' ELSE 'pending' END,
-           lease_generation = d.lease_generation + 1, lease_until = NULL, claimed_at = NULL,
+           {FENCE_BUMP}, {LEASE_CLEARED},
            finished_at = CASE WHEN {exhausted} THEN statement_timestamp() END
       FROM expired
      WHERE d.id = expired.id
@@ -210,7 +221,7 @@ RELEASE = _operator_statement("'claimed'", BACK_TO_PENDING, "released")
 # AlreadyTerminal it could mistake for its own earlier settle.
 MARK_FAILED = _operator_statement(
     "'pending', 'claimed'",
-    f"status = 'failed', lease_generation = d.lease_generation + 1, {SETTLE}, available_at = NULL",
+    f"status = 'failed', {FENCE_BUMP}, {SETTLE}, available_at = NULL",
     "operator_failed",
 )
 
@@ -229,7 +240,7 @@ chosen AS (
 ),
 moved AS (
     UPDATE {DELIVERIES} AS d
-       SET status = 'pending', lease_generation = d.lease_generation + 1,
+       SET status = 'pending', {FENCE_BUMP},
            finished_at = NULL, available_at = NULL, attempts_at_retry = d.attempts
       FROM chosen
      WHERE d.community_id = %(community_id)s AND d.id = chosen.id
@@ -242,7 +253,7 @@ recorded AS (
     SELECT m.community_id, m.id, clock_timestamp(), 'operator_retried', m.lease_generation,
            m.attempts, 'failed', 'pending', %(actor)s::text, %(reason)s::text
       FROM moved AS m
-     WHERE current_setting('workflow_delivery.timeline', true) IS DISTINCT FROM 'off'
+     WHERE {_TIMELINE_ON}
 ),{_RECORDING_OFF}
 SELECT moved.id FROM moved, recording_done
 """)
@@ -257,7 +268,7 @@ WITH allowed AS MATERIALIZED (
 ),
 doomed AS (
     SELECT d.community_id, d.id FROM {DELIVERIES} AS d JOIN allowed AS a ON a.id = d.community_id
-     WHERE d.status IN ('finished', 'failed') AND d.finished_at <= %(cutoff)s
+     WHERE d.status IN {TERMINAL} AND d.finished_at <= %(cutoff)s
      LIMIT %(limit)s
      FOR UPDATE OF d SKIP LOCKED
 )
@@ -274,7 +285,7 @@ PRUNE_CUTOFF = Statement("SELECT statement_timestamp() - %(age)s::interval")
 PRUNE_COUNT = Statement(f"""
 SELECT c.id, c.host, count(*)
   FROM {COMMUNITIES} AS c JOIN {DELIVERIES} AS d ON d.community_id = c.id
- WHERE c.deletion_state = 'active' AND d.status IN ('finished', 'failed')
+ WHERE c.deletion_state = 'active' AND d.status IN {TERMINAL}
    AND d.finished_at <= %(cutoff)s
  GROUP BY c.id, c.host ORDER BY c.host
 """)

@@ -5,7 +5,7 @@ admin's "why not delivered?" page of one (community, target).
 from __future__ import annotations
 
 from ..statement import Statement
-from .fragments import COMMUNITIES, DELIVERIES, IDLE
+from .fragments import COMMUNITIES, DELIVERIES, IDLE, TERMINAL, attempts_exhausted
 
 # Metrics: each served by a partial index (the heap of terminal rows is never read).
 METRICS_COMMUNITIES = Statement(f"SELECT id, host, deletion_state FROM {COMMUNITIES}")
@@ -19,7 +19,7 @@ SELECT community_id, count(*), count(*) FILTER (WHERE lease_until < now())
 """)
 METRICS_TERMINAL = Statement(f"""
 SELECT community_id, status, count(*)
-  FROM {DELIVERIES} WHERE status IN ('finished', 'failed') GROUP BY community_id, status
+  FROM {DELIVERIES} WHERE status IN {TERMINAL} GROUP BY community_id, status
 """)
 
 # Settles of the last hour per minute, oldest first: each terminal delivery settled
@@ -96,7 +96,7 @@ settled AS (
            max(finished_at) FILTER (WHERE target_pubkey = %(target)s) AS last_settled,
            count(*) FILTER (
                WHERE target_pubkey = %(target)s AND status = 'failed'
-                 AND attempts - attempts_at_retry >= %(cap)s
+                 AND {attempts_exhausted("%(cap)s", row="")}
            ) AS exhausted
       FROM recent
 ),
