@@ -555,9 +555,7 @@ SELECT pg_advisory_xact_lock(hashtextextended(
 
 -- name: MARK_FAILED --
 WITH operable AS MATERIALIZED (
-    SELECT CASE WHEN pg_try_advisory_xact_lock_shared(
-                         wd_community_deletion_key(%(community_id)s::uuid))
-                THEN community_write_allowed(%(community_id)s::uuid) ELSE false END AS ok,
+    SELECT CASE WHEN pg_try_advisory_xact_lock_shared(hashtextextended('workflow_delivery.community_deletion:' || %(community_id)s::uuid::text, 0)) THEN community_write_allowed(%(community_id)s::uuid) ELSE false END AS ok,
            set_config('workflow_delivery.recorded_by_statement', 'on', true) AS recording
 ),
 chosen AS (
@@ -628,9 +626,7 @@ SELECT community_id, status, count(*)
 
 -- name: OPERATOR_RETRY --
 WITH operable AS MATERIALIZED (
-    SELECT CASE WHEN pg_try_advisory_xact_lock_shared(
-                         wd_community_deletion_key(%(community_id)s::uuid))
-                THEN community_write_allowed(%(community_id)s::uuid) ELSE false END AS ok,
+    SELECT CASE WHEN pg_try_advisory_xact_lock_shared(hashtextextended('workflow_delivery.community_deletion:' || %(community_id)s::uuid::text, 0)) THEN community_write_allowed(%(community_id)s::uuid) ELSE false END AS ok,
            set_config('workflow_delivery.recorded_by_statement', 'on', true) AS recording
 ),
 chosen AS (
@@ -696,7 +692,7 @@ SELECT statement_timestamp() - %(age)s::interval;
 WITH open AS (
     SELECT id FROM "communities"
      WHERE deletion_state = 'active'
-       AND pg_try_advisory_xact_lock_shared(wd_community_deletion_key(id))
+       AND pg_try_advisory_xact_lock_shared(hashtextextended('workflow_delivery.community_deletion:' || id::text, 0))
 ), doomed AS (
     SELECT r.id FROM "agent_request_replays" AS r
      WHERE r.event_created_at < now() - make_interval(secs => %(horizon)s)
@@ -746,9 +742,7 @@ RETURNING a.community_id, a.pubkey, a.label, a.enabled, a.added_at, a.revoked_at
 
 -- name: RELEASE --
 WITH operable AS MATERIALIZED (
-    SELECT CASE WHEN pg_try_advisory_xact_lock_shared(
-                         wd_community_deletion_key(%(community_id)s::uuid))
-                THEN community_write_allowed(%(community_id)s::uuid) ELSE false END AS ok,
+    SELECT CASE WHEN pg_try_advisory_xact_lock_shared(hashtextextended('workflow_delivery.community_deletion:' || %(community_id)s::uuid::text, 0)) THEN community_write_allowed(%(community_id)s::uuid) ELSE false END AS ok,
            set_config('workflow_delivery.recorded_by_statement', 'on', true) AS recording
 ),
 chosen AS (
@@ -1719,7 +1713,7 @@ candidates AS MATERIALIZED (
      LIMIT 500
 ),
 tried AS MATERIALIZED (
-    SELECT id, oldest, pg_try_advisory_xact_lock_shared(wd_community_deletion_key(id)) AS locked
+    SELECT id, oldest, pg_try_advisory_xact_lock_shared(hashtextextended('workflow_delivery.community_deletion:' || id::text, 0)) AS locked
       FROM candidates
 ),
 open AS MATERIALIZED (
@@ -1804,7 +1798,7 @@ candidates AS MATERIALIZED (
      LIMIT 500
 ),
 tried AS MATERIALIZED (
-    SELECT id, oldest, pg_try_advisory_xact_lock_shared(wd_community_deletion_key(id)) AS locked
+    SELECT id, oldest, pg_try_advisory_xact_lock_shared(hashtextextended('workflow_delivery.community_deletion:' || id::text, 0)) AS locked
       FROM candidates
 ),
 open AS MATERIALIZED (

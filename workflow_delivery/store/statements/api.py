@@ -13,7 +13,6 @@ from .fragments import (
     CAUSES,
     CLAIMED_RECORD,
     COMMUNITIES,
-    DELETION_KEY,
     EVENTS,
     EXPECTED,
     REPLAYS,
@@ -23,6 +22,7 @@ from .fragments import (
     seen_status,
     settle_and_claim,
     settle_live_lease,
+    trying_fence,
 )
 
 # Whether the event is fresh: its created_at within ``skew`` seconds of the
@@ -64,7 +64,7 @@ _ADMISSION_CTES = f"""
 WITH {_CLOCK}, community AS (
     SELECT id FROM {COMMUNITIES} WHERE lower(host) = lower(%(host)s::text)
 ), gate AS MATERIALIZED (
-    SELECT id, pg_try_advisory_xact_lock_shared({DELETION_KEY.format(column="id")}) AS open
+    SELECT id, {trying_fence("id")} AS open
       FROM community
 ), agent AS MATERIALIZED (
     SELECT CASE WHEN gate.open THEN wd_agent_standing(gate.id, %(pubkey)s::bytea)

@@ -71,6 +71,24 @@ def entering_fence_once(community: str) -> str:
     return f"(SELECT pg_advisory_xact_lock_shared({key})) IS NOT NULL"
 
 
+def trying_fence(community: str) -> str:
+    """The shared deletion lock of ``community`` (an expression), tried rather than
+    waited for: true once held (to the end of the transaction), false at once while
+    the community's deletion executor holds the exclusive lock or waits for it. A
+    statement that must not queue behind a transition or a purge skips the community
+    on false: the request admission, the reaper, the operator, replay-guard pruning."""
+    return f"pg_try_advisory_xact_lock_shared({DELETION_KEY.format(column=community)})"
+
+
+def open_once_tried(tried: str, community: str) -> str:
+    """Whether a statement may write ``community`` without waiting: its lock tried
+    (``tried``: a ``trying_fence``, or a column that holds one's answer) and, once
+    held, the fence open by a fresh look (community_write_allowed, so a transition
+    committed before the lock was taken is seen and no row of a fenced community
+    reaches the fence trigger to abort the statement)."""
+    return f"CASE WHEN {tried} THEN community_write_allowed({community}) ELSE false END"
+
+
 # --- A row's transitions ---------------------------------------------------------------
 
 # The fence bumped: every write that ends or hands out a lease moves the generation on,

@@ -20,6 +20,8 @@ from .fragments import (
     TERMINAL,
     TIMELINE,
     attempts_exhausted,
+    open_once_tried,
+    trying_fence,
 )
 
 # Who writes in this transaction, for the timeline triggers (wd_delivery_timeline and
@@ -89,12 +91,13 @@ def reap_batch(size: int, cap: int | None) -> Statement:
 
     1. ``candidates``: active communities with an expired lease, oldest expiry first,
        at most one batch of them (a probe of the reap index each, no row read).
-    2. ``tried``: the shared deletion lock of each, *tried*: a community whose
-       exclusive lock is held or queued for (a transition, a purge) is skipped for
-       this sweep and reported, never waited on.
-    3. ``open``: the locked ones still active by a fresh look (community_write_allowed,
-       after the lock, so a transition that committed meanwhile is seen and no row of
-       a fenced tenant reaches the fence trigger to abort the batch).
+    2. ``tried``: the shared deletion lock of each, *tried* (``trying_fence``): a
+       community whose exclusive lock is held or queued for (a transition, a purge)
+       is skipped for this sweep and reported, never waited on.
+    3. ``open``: the locked ones still active by a fresh look (``open_once_tried``:
+       community_write_allowed, after the lock, so a transition that committed
+       meanwhile is seen and no row of a fenced tenant reaches the fence trigger to
+       abort the batch).
     4. ``expired``: the oldest expired rows of those communities only, by the reap
        index; rows a live holder has locked are skipped, not waited for. Rows parked
        in a tenant that is not active are never read, so a batch costs what it
@@ -132,11 +135,11 @@ candidates AS MATERIALIZED (
      LIMIT {limit}
 ),
 tried AS MATERIALIZED (
-    SELECT id, oldest, pg_try_advisory_xact_lock_shared(wd_community_deletion_key(id)) AS locked
+    SELECT id, oldest, {trying_fence("id")} AS locked
       FROM candidates
 ),
 open AS MATERIALIZED (
-    SELECT id FROM tried WHERE CASE WHEN locked THEN community_write_allowed(id) ELSE false END
+    SELECT id FROM tried WHERE {open_once_tried("locked", "id")}
 ),
 expired AS (
     SELECT d.id, coalesce(d.last_claimed_at, d.claimed_at) AS claimed_at
@@ -173,12 +176,12 @@ SELECT recording_done.count,
 """)
 
 
-# Whether an operator's statement may write the community (its shared deletion lock
-# tried, not waited for, and its write fence open), and whether the timeline records.
+# Whether an operator's statement may write the community (``open_once_tried``: its
+# shared deletion lock tried, not waited for, and its write fence open), and whether
+# the timeline records.
+_COMMUNITY = "%(community_id)s::uuid"
 _OPERABLE = f"""operable AS MATERIALIZED (
-    SELECT CASE WHEN pg_try_advisory_xact_lock_shared(
-                         wd_community_deletion_key(%(community_id)s::uuid))
-                THEN community_write_allowed(%(community_id)s::uuid) ELSE false END AS ok,
+    SELECT {open_once_tried(trying_fence(_COMMUNITY), _COMMUNITY)} AS ok,
            {_RECORDING_ON} AS recording
 )"""
 
@@ -292,13 +295,13 @@ SELECT c.id, c.host, count(*)
 
 # One bounded batch of replay-guard pruning across communities: only rows whose
 # event can no longer pass the freshness window, only in active communities whose
-# deletion lock is free right now (a tenant being deleted is skipped, never waited
-# for; its purge removes its rows).
+# deletion lock is free right now (``trying_fence``: a tenant being deleted is
+# skipped, never waited for; its purge removes its rows).
 PRUNE_REPLAYS_BATCH = Statement(f"""
 WITH open AS (
     SELECT id FROM {COMMUNITIES}
      WHERE deletion_state = 'active'
-       AND pg_try_advisory_xact_lock_shared(wd_community_deletion_key(id))
+       AND {trying_fence("id")}
 ), doomed AS (
     SELECT r.id FROM {REPLAYS} AS r
      WHERE r.event_created_at < now() - make_interval(secs => %(horizon)s)
