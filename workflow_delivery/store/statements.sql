@@ -828,11 +828,9 @@ SELECT wd_require_read_committed();
 -- name: RETRY --
 WITH note AS MATERIALIZED (SELECT set_config('workflow_delivery.error_traceback', %(traceback)s, true) AS traceback)
 UPDATE "workflow_agent_deliveries" AS d
-   SET status = CASE WHEN d.attempts - d.attempts_at_retry >= p.cap THEN 'failed'
-                     ELSE 'pending' END,
+   SET status = CASE WHEN d.attempts - d.attempts_at_retry >= p.cap THEN 'failed' ELSE 'pending' END,
        lease_generation = d.lease_generation + 1, lease_until = NULL, claimed_at = NULL,
-       finished_at = CASE WHEN d.attempts - d.attempts_at_retry >= p.cap
-                          THEN statement_timestamp() END,
+       finished_at = CASE WHEN d.attempts - d.attempts_at_retry >= p.cap THEN statement_timestamp() END,
        available_at = CASE WHEN d.attempts - d.attempts_at_retry >= p.cap THEN NULL
            ELSE statement_timestamp() + make_interval(secs => coalesce(
                p.delay,
@@ -1703,8 +1701,7 @@ candidates AS MATERIALIZED (
       FROM recording, "communities" AS c
      CROSS JOIN LATERAL (
            SELECT r.lease_until AS oldest FROM "workflow_agent_deliveries" AS r
-            WHERE r.community_id = c.id AND r.status = 'claimed'
-              AND r.lease_until < statement_timestamp()
+            WHERE r.community_id = c.id AND r.status = 'claimed' AND r.lease_until < statement_timestamp()
             ORDER BY r.lease_until LIMIT 1
               FOR UPDATE OF r SKIP LOCKED
      ) AS e
@@ -1726,8 +1723,7 @@ expired AS (
            SELECT x.id FROM open
             CROSS JOIN LATERAL (
                   SELECT r.id, r.lease_until FROM "workflow_agent_deliveries" AS r
-                   WHERE r.community_id = open.id AND r.status = 'claimed'
-                     AND r.lease_until < statement_timestamp()
+                   WHERE r.community_id = open.id AND r.status = 'claimed' AND r.lease_until < statement_timestamp()
                    ORDER BY r.lease_until LIMIT 500
                      FOR UPDATE OF r SKIP LOCKED
             ) AS x
@@ -1739,8 +1735,8 @@ expired AS (
 moved AS (
     UPDATE "workflow_agent_deliveries" AS d
        SET status = CASE WHEN d.attempts - d.attempts_at_retry >= 20::integer THEN 'failed' ELSE 'pending' END,
-           lease_generation = d.lease_generation + 1, lease_until = NULL, claimed_at = NULL,
-           finished_at = CASE WHEN d.attempts - d.attempts_at_retry >= 20::integer THEN statement_timestamp() END
+       lease_generation = d.lease_generation + 1, lease_until = NULL, claimed_at = NULL,
+       finished_at = CASE WHEN d.attempts - d.attempts_at_retry >= 20::integer THEN statement_timestamp() END
       FROM expired
      WHERE d.id = expired.id
     RETURNING d.community_id, d.id, 'claimed' AS status_before, d.status, d.lease_generation,
@@ -1788,8 +1784,7 @@ candidates AS MATERIALIZED (
       FROM recording, "communities" AS c
      CROSS JOIN LATERAL (
            SELECT r.lease_until AS oldest FROM "workflow_agent_deliveries" AS r
-            WHERE r.community_id = c.id AND r.status = 'claimed'
-              AND r.lease_until < statement_timestamp()
+            WHERE r.community_id = c.id AND r.status = 'claimed' AND r.lease_until < statement_timestamp()
             ORDER BY r.lease_until LIMIT 1
               FOR UPDATE OF r SKIP LOCKED
      ) AS e
@@ -1811,8 +1806,7 @@ expired AS (
            SELECT x.id FROM open
             CROSS JOIN LATERAL (
                   SELECT r.id, r.lease_until FROM "workflow_agent_deliveries" AS r
-                   WHERE r.community_id = open.id AND r.status = 'claimed'
-                     AND r.lease_until < statement_timestamp()
+                   WHERE r.community_id = open.id AND r.status = 'claimed' AND r.lease_until < statement_timestamp()
                    ORDER BY r.lease_until LIMIT 500
                      FOR UPDATE OF r SKIP LOCKED
             ) AS x
@@ -1824,8 +1818,8 @@ expired AS (
 moved AS (
     UPDATE "workflow_agent_deliveries" AS d
        SET status = CASE WHEN d.attempts - d.attempts_at_retry >= NULL::integer THEN 'failed' ELSE 'pending' END,
-           lease_generation = d.lease_generation + 1, lease_until = NULL, claimed_at = NULL,
-           finished_at = CASE WHEN d.attempts - d.attempts_at_retry >= NULL::integer THEN statement_timestamp() END
+       lease_generation = d.lease_generation + 1, lease_until = NULL, claimed_at = NULL,
+       finished_at = CASE WHEN d.attempts - d.attempts_at_retry >= NULL::integer THEN statement_timestamp() END
       FROM expired
      WHERE d.id = expired.id
     RETURNING d.community_id, d.id, 'claimed' AS status_before, d.status, d.lease_generation,

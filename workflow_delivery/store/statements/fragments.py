@@ -112,6 +112,18 @@ def attempts_exhausted(cap: str, row: str = "d.") -> str:
     return f"{row}attempts - {row}attempts_at_retry >= {cap}"
 
 
+def attempt_ended(cap: str) -> str:
+    """The SET list of a delivery row ``d`` whose lease ended unsettled (the holder's
+    retry, the reaper): failed for good once it has used every attempt ``cap`` allows,
+    else back to pending; the fence bumped and the lease cleared either way."""
+    exhausted = attempts_exhausted(cap)
+    return (
+        f"status = CASE WHEN {exhausted} THEN 'failed' ELSE 'pending' END,\n"
+        f"       {FENCE_BUMP}, {LEASE_CLEARED},\n"
+        f"       finished_at = CASE WHEN {exhausted} THEN statement_timestamp() END"
+    )
+
+
 # --- The claim -----------------------------------------------------------------------
 
 # A row a claim may take: pending, and past its backoff by the statement's clock (a
@@ -218,6 +230,12 @@ def live_lease_at_statement(
     return f"""{capability(community, target, **lease)}
   AND {row}status = 'claimed' AND {row}lease_until >= statement_timestamp()
 """
+
+
+def expired_lease(row: str = "") -> str:
+    """A lease past its end by the statement's clock and not settled: what the reaper
+    takes back (``row`` qualifies the delivery row's columns, as for a live lease)."""
+    return f"{row}status = 'claimed' AND {row}lease_until < statement_timestamp()"
 
 
 def live_lease(

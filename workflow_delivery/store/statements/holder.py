@@ -20,14 +20,13 @@ from .fragments import (
     ERROR_NOTE,
     EVENTS,
     EXPECTED,
-    FENCE_BUMP,
     IDLE,
-    LEASE_CLEARED,
     LIVE_LEASE,
     LIVE_LEASE_AT_STATEMENT,
     RECORD_ERROR,
     SETTLE,
     STAMP,
+    attempt_ended,
     attempts_exhausted,
     live_lease,
     picked,
@@ -122,11 +121,7 @@ _EXHAUSTED = attempts_exhausted("p.cap")
 RETRY = Statement(f"""
 WITH {ERROR_NOTE}
 UPDATE {DELIVERIES} AS d
-   SET status = CASE WHEN {_EXHAUSTED} THEN 'failed'
-                     ELSE 'pending' END,
-       {FENCE_BUMP}, {LEASE_CLEARED},
-       finished_at = CASE WHEN {_EXHAUSTED}
-                          THEN statement_timestamp() END,
+   SET {attempt_ended("p.cap")},
        available_at = CASE WHEN {_EXHAUSTED} THEN NULL
            ELSE statement_timestamp() + make_interval(secs => coalesce(
                p.delay,

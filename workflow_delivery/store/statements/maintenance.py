@@ -14,12 +14,12 @@ from .fragments import (
     COMMUNITIES,
     DELIVERIES,
     FENCE_BUMP,
-    LEASE_CLEARED,
     REPLAYS,
     SETTLE,
     TERMINAL,
     TIMELINE,
-    attempts_exhausted,
+    attempt_ended,
+    expired_lease,
     open_once_tried,
     trying_fence,
 )
@@ -114,7 +114,7 @@ def reap_batch(size: int, cap: int | None) -> Statement:
         raise TypeError(f"cap must be an int or None, not {cap!r}")
     # int() of an int subclass (an IntEnum, say) is the plain number, in digits.
     limit = str(int(size))
-    exhausted = attempts_exhausted(f"{'NULL' if cap is None else str(int(cap))}::integer")
+    most = f"{'NULL' if cap is None else str(int(cap))}::integer"
     return Statement(f"""
 WITH recording AS MATERIALIZED (SELECT {_RECORDING_ON} AS name),
 -- Rows another transaction holds (a holder inside holding() past its lease) are
@@ -125,8 +125,7 @@ candidates AS MATERIALIZED (
       FROM recording, {COMMUNITIES} AS c
      CROSS JOIN LATERAL (
            SELECT r.lease_until AS oldest FROM {DELIVERIES} AS r
-            WHERE r.community_id = c.id AND r.status = 'claimed'
-              AND r.lease_until < statement_timestamp()
+            WHERE r.community_id = c.id AND {expired_lease("r.")}
             ORDER BY r.lease_until LIMIT 1
               FOR UPDATE OF r SKIP LOCKED
      ) AS e
@@ -148,21 +147,18 @@ expired AS (
            SELECT x.id FROM open
             CROSS JOIN LATERAL (
                   SELECT r.id, r.lease_until FROM {DELIVERIES} AS r
-                   WHERE r.community_id = open.id AND r.status = 'claimed'
-                     AND r.lease_until < statement_timestamp()
+                   WHERE r.community_id = open.id AND {expired_lease("r.")}
                    ORDER BY r.lease_until LIMIT {limit}
                      FOR UPDATE OF r SKIP LOCKED
             ) AS x
             ORDER BY x.lease_until LIMIT {limit}
      )
-       AND d.status = 'claimed' AND d.lease_until < statement_timestamp()
+       AND {expired_lease("d.")}
        FOR UPDATE OF d SKIP LOCKED
 ),
 moved AS (
     UPDATE {DELIVERIES} AS d
-       SET status = CASE WHEN {exhausted} THEN 'failed' ELSE 'pending' END,
-           {FENCE_BUMP}, {LEASE_CLEARED},
-           finished_at = CASE WHEN {exhausted} THEN statement_timestamp() END
+       SET {attempt_ended(most)}
       FROM expired
      WHERE d.id = expired.id
     RETURNING d.community_id, d.id, 'claimed' AS status_before, d.status, d.lease_generation,
