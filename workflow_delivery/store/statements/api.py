@@ -31,17 +31,26 @@ _CLOCK = """clock AS (
     SELECT abs(extract(epoch FROM now()) - %(created_at)s::bigint) <= %(skew)s::bigint AS fresh
 )"""
 
+
+def _recording(community: str, source: str, answer: str) -> str:
+    """The replay guard's insert: the request's event recorded for ``community`` from
+    the rows of ``source`` (a FROM list with its conditions), once: ON CONFLICT makes a
+    second arrival of the same event insert nothing. Answers ``answer`` per row
+    recorded."""
+    return f"""    INSERT INTO {REPLAYS} (community_id, event_id, event_created_at)
+    SELECT {community}, %(event_id)s::bytea, to_timestamp(%(created_at)s::bigint)
+      FROM {source}
+    ON CONFLICT ON CONSTRAINT wd_replay_event_once DO NOTHING
+    RETURNING {answer}"""
+
+
 # The agent API's freshness check and replay guard in one statement, both by the
 # database clock: a fresh event's id is recorded, and ON CONFLICT makes a second
 # arrival of the same event (from any process, at the same instant, for any
 # community) insert nothing. Answers (fresh, recorded).
 ACCEPT_REQUEST_EVENT = Statement(f"""
 WITH {_CLOCK}, recorded AS (
-    INSERT INTO {REPLAYS} (community_id, event_id, event_created_at)
-    SELECT %(community_id)s::uuid, %(event_id)s::bytea, to_timestamp(%(created_at)s::bigint)
-      FROM clock WHERE clock.fresh
-    ON CONFLICT ON CONSTRAINT wd_replay_event_once DO NOTHING
-    RETURNING 1
+{_recording("%(community_id)s::uuid", "clock WHERE clock.fresh", "1")}
 )
 SELECT clock.fresh, EXISTS (SELECT 1 FROM recorded) FROM clock
 """)
@@ -60,6 +69,11 @@ SELECT clock.fresh, EXISTS (SELECT 1 FROM recorded) FROM clock
 # Parameters: ``created_at``, ``skew`` (the freshness window), ``host``, ``pubkey``,
 # ``event_id``.
 ADMISSION_DELETING = "deleting"
+_ENABLED_AGENTS_EVENT = _recording(
+    "community.id",
+    "community, clock, agent WHERE clock.fresh AND agent.standing = 'enabled'",
+    "community_id",
+)
 _ADMISSION_CTES = f"""
 WITH {_CLOCK}, community AS (
     SELECT id FROM {COMMUNITIES} WHERE lower(host) = lower(%(host)s::text)
@@ -71,11 +85,7 @@ WITH {_CLOCK}, community AS (
                 ELSE '{ADMISSION_DELETING}' END AS standing
       FROM gate
 ), recorded AS (
-    INSERT INTO {REPLAYS} (community_id, event_id, event_created_at)
-    SELECT community.id, %(event_id)s::bytea, to_timestamp(%(created_at)s::bigint)
-      FROM community, clock, agent WHERE clock.fresh AND agent.standing = 'enabled'
-    ON CONFLICT ON CONSTRAINT wd_replay_event_once DO NOTHING
-    RETURNING community_id
+{_ENABLED_AGENTS_EVENT}
 )"""
 ADMIT_REQUEST_EVENT = Statement(f"""{_ADMISSION_CTES}
 SELECT (SELECT id FROM community), clock.fresh, EXISTS (SELECT 1 FROM recorded),
