@@ -544,8 +544,7 @@ ON CONFLICT ON CONSTRAINT wd_delivery_identity_key DO NOTHING RETURNING id, comm
 SELECT pg_advisory_xact_lock(wd_community_deletion_key(%(community_id)s::uuid));
 
 -- name: LOCK_ROSTER_EXCLUSIVE --
-SELECT wd_require_community_write(%(community_id)s::uuid, 'UPDATE',
-                                  'community_agents', current_schema()),
+SELECT wd_require_community_write(%(community_id)s::uuid, 'UPDATE', 'community_agents', current_schema()),
        pg_advisory_xact_lock(wd_community_roster_key(%(community_id)s::uuid));
 
 -- name: LOCK_STEP_IDENTITY --

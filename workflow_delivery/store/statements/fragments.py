@@ -11,6 +11,7 @@ rule is built from its fragment here, so a reviewer reads each rule in one place
 from __future__ import annotations
 
 from django.db import connection
+from django.db.models import Model
 
 from ...models import (
     AgentRequestReplay,
@@ -122,6 +123,15 @@ def attempt_ended(cap: str) -> str:
         f"       {FENCE_BUMP}, {LEASE_CLEARED},\n"
         f"       finished_at = CASE WHEN {exhausted} THEN statement_timestamp() END"
     )
+
+
+def requiring_write(community: str, operation: str, model: type[Model]) -> str:
+    """The write fence's own check, as its trigger makes it (wd_require_community_write):
+    the community's shared deletion lock taken, then a clear error unless the community
+    is active (or this transaction is its deletion executor), naming ``operation`` on
+    ``model``'s table. For a statement that must be refused before it writes a row."""
+    table = model._meta.db_table
+    return f"wd_require_community_write({community}, '{operation}', '{table}', current_schema())"
 
 
 # --- The claim -----------------------------------------------------------------------

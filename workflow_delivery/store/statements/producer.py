@@ -11,7 +11,7 @@ from ...models import WorkflowAgentDelivery
 from ...wakeups import WAKE_CHANNEL
 from ..rows import RECORD_COLUMNS
 from ..statement import Statement
-from .fragments import DELIVERIES, IDLE
+from .fragments import DELIVERIES, IDLE, requiring_write
 from .fragments import quote_name as _q
 
 # Identity lock of one (community, run, step): producers of the same step queue
@@ -79,10 +79,7 @@ _ON_CONFLICT = (
 def _fence_cte(after: str = "") -> str:
     """The CTE ``fence``: the fence's check of the committing community, evaluated
     once ``after`` (a FROM clause naming an earlier CTE) has been."""
-    table = WorkflowAgentDelivery._meta.db_table
-    check = (
-        f"wd_require_community_write(%(community)s::uuid, 'INSERT', '{table}', current_schema())"
-    )
+    check = requiring_write("%(community)s::uuid", "INSERT", WorkflowAgentDelivery)
     return f"fence AS MATERIALIZED (SELECT {check}::text AS fenced {after})"
 
 

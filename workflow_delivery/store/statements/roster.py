@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from ...models import CommunityAgent
 from ..statement import Statement
-from .fragments import AGENTS, BACK_TO_PENDING, DELIVERIES
+from .fragments import AGENTS, BACK_TO_PENDING, DELIVERIES, requiring_write
 
 # Columns of an entry, in the order ``roster.RosterEntry`` takes them.
 _ROSTER_ENTRY = "a.community_id, a.pubkey, a.label, a.enabled, a.added_at, a.revoked_at"
@@ -28,8 +28,7 @@ RETURNING {_ROSTER_ENTRY}
 # not active), then its roster lock exclusive, which waits for every commit and
 # every API request of the community that read the roster before us.
 LOCK_ROSTER_EXCLUSIVE = Statement(f"""
-SELECT wd_require_community_write(%(community_id)s::uuid, 'UPDATE',
-                                  '{CommunityAgent._meta.db_table}', current_schema()),
+SELECT {requiring_write("%(community_id)s::uuid", "UPDATE", CommunityAgent)},
        pg_advisory_xact_lock(wd_community_roster_key(%(community_id)s::uuid))
 """)
 
