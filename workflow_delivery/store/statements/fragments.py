@@ -1,9 +1,12 @@
 """The fragments the statements of every audience are built from, each rule once.
 
-The tables' quoted names; the community's deletion lock as a statement enters it; the
-claim (which rows are claimable, the stamp, the update of the winners); the lease (the
-capability, the live-lease rule, its renew, its settle, the status a capability sees);
-and the transitions a row makes (back to pending, settled). A statement that needs a
+The tables' quoted names; the community's deletion lock, entered (waited for) or
+tried (and the community skipped); a row's transitions (the fence bump, back to
+pending, settled, the terminal statuses, the attempts cap, an attempt that ended
+unsettled) and the write fence's own check; the claim (which rows are claimable,
+the stamp, the update of the winners, as a statement or as CTEs); the lease (the
+capability, the live-lease rule and the expired lease, its renew, its settle, the
+status a capability sees, the settle and the next claim). A statement that needs a
 rule is built from its fragment here, so a reviewer reads each rule in one place and
 ``statements.sql`` shows it whole in every statement that uses it.
 """
@@ -42,9 +45,10 @@ RETURNING_RECORD = ", ".join(f"d.{quote_name(column)}" for column in RECORD_COLU
 
 # --- The community's deletion lock ----------------------------------------------------
 
-# wd_community_deletion_key(column) written out: a call of that
-# function (its search_path pinned, so never inlined) costs the hot path more than
-# the lock it names. tests/test_purge_deadlock.py holds the two equal.
+# wd_community_deletion_key(column) written out, in every statement that takes the
+# shared lock or tries it: a call of that function (its search_path pinned, so never
+# inlined) costs the hot path more than the lock it names. tests/test_purge_deadlock.py
+# holds the two equal.
 DELETION_KEY = "hashtextextended('workflow_delivery.community_deletion:' || {column}::text, 0)"
 
 
@@ -92,9 +96,8 @@ def open_once_tried(tried: str, community: str) -> str:
 
 # --- A row's transitions ---------------------------------------------------------------
 
-# The fence bumped: every write that ends or hands out a lease moves the generation on,
-# so a capability of the generation before is dead (a late renew or finish is lease
-# lost). Written on a delivery row ``d``.
+# The fence bumped: the generation moves on, so a capability of the generation before
+# is dead (its late renew or finish is lease lost). On a delivery row ``d``.
 FENCE_BUMP = "lease_generation = d.lease_generation + 1"
 # The lease fields a row gives up when its lease ends.
 LEASE_CLEARED = "lease_until = NULL, claimed_at = NULL"
@@ -242,12 +245,6 @@ def live_lease_at_statement(
 """
 
 
-def expired_lease(row: str = "") -> str:
-    """A lease past its end by the statement's clock and not settled: what the reaper
-    takes back (``row`` qualifies the delivery row's columns, as for a live lease)."""
-    return f"{row}status = 'claimed' AND {row}lease_until < statement_timestamp()"
-
-
 def live_lease(
     community: str = "%(community_id)s", target: str = "%(target_pubkey)s", **lease: str
 ) -> str:
@@ -259,6 +256,12 @@ def live_lease(
 CAPABILITY = capability()
 LIVE_LEASE_AT_STATEMENT = live_lease_at_statement()
 LIVE_LEASE = live_lease()
+
+
+def expired_lease(row: str = "") -> str:
+    """A lease past its end by the statement's clock and not settled: what the reaper
+    takes back (``row`` qualifies the delivery row's columns, as for a live lease)."""
+    return f"{row}status = 'claimed' AND {row}lease_until < statement_timestamp()"
 
 
 def renew_live_lease(community: str = "%(community_id)s", target: str = "%(target_pubkey)s") -> str:
