@@ -97,10 +97,10 @@ SELECT (SELECT id FROM community), clock.fresh, EXISTS (SELECT 1 FROM recorded),
 # The agent API's requests, each admitted and served by one statement in autocommit
 # (``services.holder``'s ``*_admitted`` functions): ADMIT_REQUEST_EVENT's look-ups,
 # freshness and replay guard, then the holder's operation, built from the same
-# fragments as the in-process one (``picked``, ``renew_live_lease``, ``settle_live_lease``,
-# ``seen_status``),
-# on the community the replay row was recorded for, the caller's key as the target
-# (nothing runs when the request was not admitted). The statement is its own
+# fragments as the in-process one (``claiming``, ``renew_live_lease``,
+# ``settle_live_lease``, ``seen_status``), on the community the replay row was
+# recorded for, the caller's key as the target (nothing runs when the request was
+# not admitted). The statement is its own
 # transaction, so the replay row commits with the operation or not at all; an
 # operation that refuses calls wd_refuse_request (``_REFUSE``), whose error
 # (``REQUEST_REFUSED``) rolls back both. Parameters: the admission's, then the
