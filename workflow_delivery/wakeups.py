@@ -90,7 +90,8 @@ _OWN_SESSION = (
 
 
 def format_wake(community_id: UUID | str, target_pubkey: bytes, delivery_id: UUID | str) -> str:
-    """The payload of one wake-up (``store.statements._WAKE_IDLE`` builds the same text in SQL)."""
+    """The payload of one wake-up (``store.statements.producer._WAKE_IDLE`` builds the
+    same text in SQL)."""
     if not isinstance(community_id, UUID):
         community_id = UUID(str(community_id))
     if not isinstance(delivery_id, UUID):

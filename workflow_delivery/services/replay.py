@@ -131,7 +131,7 @@ def admitted_community(request: RequestEvent, admission: RequestAdmission) -> UU
 
 
 def _admission_params(request: RequestEvent) -> dict[str, object]:
-    """The parameters of a statement that admits ``request`` (``statements._admitted``):
+    """The parameters of a statement that admits ``request`` (``statements.api._admitted``):
     the freshness window, the host, the key, the event's id and time, each checked."""
     if not isinstance(request, RequestEvent):
         raise ProtocolError("request", f"must be a RequestEvent, not {type(request).__name__}")

@@ -544,8 +544,7 @@ ON CONFLICT ON CONSTRAINT wd_delivery_identity_key DO NOTHING RETURNING id, comm
 SELECT pg_advisory_xact_lock(wd_community_deletion_key(%(community_id)s::uuid));
 
 -- name: LOCK_ROSTER_EXCLUSIVE --
-SELECT wd_require_community_write(%(community_id)s::uuid, 'UPDATE',
-                                  'community_agents', current_schema()),
+SELECT wd_require_community_write(%(community_id)s::uuid, 'UPDATE', 'community_agents', current_schema()),
        pg_advisory_xact_lock(wd_community_roster_key(%(community_id)s::uuid));
 
 -- name: LOCK_STEP_IDENTITY --
@@ -555,9 +554,7 @@ SELECT pg_advisory_xact_lock(hashtextextended(
 
 -- name: MARK_FAILED --
 WITH operable AS MATERIALIZED (
-    SELECT CASE WHEN pg_try_advisory_xact_lock_shared(
-                         wd_community_deletion_key(%(community_id)s::uuid))
-                THEN community_write_allowed(%(community_id)s::uuid) ELSE false END AS ok,
+    SELECT CASE WHEN pg_try_advisory_xact_lock_shared(hashtextextended('workflow_delivery.community_deletion:' || %(community_id)s::uuid::text, 0)) THEN community_write_allowed(%(community_id)s::uuid) ELSE false END AS ok,
            set_config('workflow_delivery.recorded_by_statement', 'on', true) AS recording
 ),
 chosen AS (
@@ -628,9 +625,7 @@ SELECT community_id, status, count(*)
 
 -- name: OPERATOR_RETRY --
 WITH operable AS MATERIALIZED (
-    SELECT CASE WHEN pg_try_advisory_xact_lock_shared(
-                         wd_community_deletion_key(%(community_id)s::uuid))
-                THEN community_write_allowed(%(community_id)s::uuid) ELSE false END AS ok,
+    SELECT CASE WHEN pg_try_advisory_xact_lock_shared(hashtextextended('workflow_delivery.community_deletion:' || %(community_id)s::uuid::text, 0)) THEN community_write_allowed(%(community_id)s::uuid) ELSE false END AS ok,
            set_config('workflow_delivery.recorded_by_statement', 'on', true) AS recording
 ),
 chosen AS (
@@ -696,7 +691,7 @@ SELECT statement_timestamp() - %(age)s::interval;
 WITH open AS (
     SELECT id FROM "communities"
      WHERE deletion_state = 'active'
-       AND pg_try_advisory_xact_lock_shared(wd_community_deletion_key(id))
+       AND pg_try_advisory_xact_lock_shared(hashtextextended('workflow_delivery.community_deletion:' || id::text, 0))
 ), doomed AS (
     SELECT r.id FROM "agent_request_replays" AS r
      WHERE r.event_created_at < now() - make_interval(secs => %(horizon)s)
@@ -705,6 +700,33 @@ WITH open AS (
      FOR UPDATE OF r SKIP LOCKED
 )
 DELETE FROM "agent_request_replays" AS r USING doomed WHERE r.id = doomed.id;
+
+-- name: PURGE[workflow_delivery_agent_turns] --
+DELETE FROM "workflow_delivery_agent_turns" WHERE ctid = ANY (ARRAY(SELECT ctid FROM "workflow_delivery_agent_turns" WHERE community_id = %(community_id)s LIMIT %(limit)s));
+
+-- name: PURGE[community_agents] --
+DELETE FROM "community_agents" WHERE ctid = ANY (ARRAY(SELECT ctid FROM "community_agents" WHERE community_id = %(community_id)s LIMIT %(limit)s));
+
+-- name: PURGE[workflow_delivery_idle_wake_targets] --
+DELETE FROM "workflow_delivery_idle_wake_targets" WHERE ctid = ANY (ARRAY(SELECT ctid FROM "workflow_delivery_idle_wake_targets" WHERE community_id = %(community_id)s LIMIT %(limit)s));
+
+-- name: PURGE[workflow_delivery_timeline] --
+DELETE FROM "workflow_delivery_timeline" WHERE ctid = ANY (ARRAY(SELECT ctid FROM "workflow_delivery_timeline" WHERE community_id = %(community_id)s LIMIT %(limit)s));
+
+-- name: PURGE[agent_request_replays] --
+DELETE FROM "agent_request_replays" WHERE ctid = ANY (ARRAY(SELECT ctid FROM "agent_request_replays" WHERE community_id = %(community_id)s LIMIT %(limit)s));
+
+-- name: PURGE[workflow_agent_deliveries] --
+DELETE FROM "workflow_agent_deliveries" WHERE ctid = ANY (ARRAY(SELECT ctid FROM "workflow_agent_deliveries" WHERE community_id = %(community_id)s LIMIT %(limit)s));
+
+-- name: PURGE[workflow_runs] --
+DELETE FROM "workflow_runs" WHERE ctid = ANY (ARRAY(SELECT ctid FROM "workflow_runs" WHERE community_id = %(community_id)s LIMIT %(limit)s));
+
+-- name: PURGE[workflows] --
+DELETE FROM "workflows" WHERE ctid = ANY (ARRAY(SELECT ctid FROM "workflows" WHERE community_id = %(community_id)s LIMIT %(limit)s));
+
+-- name: PURGE[events] --
+DELETE FROM "events" WHERE ctid = ANY (ARRAY(SELECT ctid FROM "events" WHERE community_id = %(community_id)s LIMIT %(limit)s));
 
 -- name: REGISTER_IDLE --
 INSERT INTO "workflow_delivery_idle_wake_targets" (community_id, target_pubkey, pid, backend_start)
@@ -725,9 +747,7 @@ RETURNING a.community_id, a.pubkey, a.label, a.enabled, a.added_at, a.revoked_at
 
 -- name: RELEASE --
 WITH operable AS MATERIALIZED (
-    SELECT CASE WHEN pg_try_advisory_xact_lock_shared(
-                         wd_community_deletion_key(%(community_id)s::uuid))
-                THEN community_write_allowed(%(community_id)s::uuid) ELSE false END AS ok,
+    SELECT CASE WHEN pg_try_advisory_xact_lock_shared(hashtextextended('workflow_delivery.community_deletion:' || %(community_id)s::uuid::text, 0)) THEN community_write_allowed(%(community_id)s::uuid) ELSE false END AS ok,
            set_config('workflow_delivery.recorded_by_statement', 'on', true) AS recording
 ),
 chosen AS (
@@ -813,11 +833,9 @@ SELECT wd_require_read_committed();
 -- name: RETRY --
 WITH note AS MATERIALIZED (SELECT set_config('workflow_delivery.error_traceback', %(traceback)s, true) AS traceback)
 UPDATE "workflow_agent_deliveries" AS d
-   SET status = CASE WHEN d.attempts - d.attempts_at_retry >= p.cap THEN 'failed'
-                     ELSE 'pending' END,
+   SET status = CASE WHEN d.attempts - d.attempts_at_retry >= p.cap THEN 'failed' ELSE 'pending' END,
        lease_generation = d.lease_generation + 1, lease_until = NULL, claimed_at = NULL,
-       finished_at = CASE WHEN d.attempts - d.attempts_at_retry >= p.cap
-                          THEN statement_timestamp() END,
+       finished_at = CASE WHEN d.attempts - d.attempts_at_retry >= p.cap THEN statement_timestamp() END,
        available_at = CASE WHEN d.attempts - d.attempts_at_retry >= p.cap THEN NULL
            ELSE statement_timestamp() + make_interval(secs => coalesce(
                p.delay,
@@ -1610,3 +1628,243 @@ SELECT n FROM sent;
 
 -- name: WITHDRAW_EXECUTOR --
 SELECT wd_withdraw_executor();
+
+-- name: notifying(INSERT_DELIVERIES) --
+WITH created AS (WITH fence AS MATERIALIZED (SELECT wd_require_community_write(%(community)s::uuid, 'INSERT', 'workflow_agent_deliveries', current_schema())::text AS fenced )
+INSERT INTO "workflow_agent_deliveries" ("id", "community_id", "workflow_id", "run_id", "step_id", "target_pubkey", "definition_event_id", "message_event_id", "message_event_created_at", "cause_kind", "cause_event_id", "cause_scheduled_for", "cause_webhook_invocation_id")
+SELECT v.* FROM (SELECT * FROM unnest(%(id)s::uuid[], %(community_id)s::uuid[], %(workflow_id)s::uuid[], %(run_id)s::uuid[], %(step_id)s::text[], %(target_pubkey)s::bytea[], %(definition_event_id)s::bytea[], %(message_event_id)s::bytea[], %(message_event_created_at)s::timestamptz[], %(cause_kind)s::text[], %(cause_event_id)s::bytea[], %(cause_scheduled_for)s::timestamptz[], %(cause_webhook_invocation_id)s::uuid[]) AS v ("id", "community_id", "workflow_id", "run_id", "step_id", "target_pubkey", "definition_event_id", "message_event_id", "message_event_created_at", "cause_kind", "cause_event_id", "cause_scheduled_for", "cause_webhook_invocation_id")) AS v CROSS JOIN fence
+ON CONFLICT ON CONSTRAINT wd_delivery_identity_key DO NOTHING RETURNING id, community_id, target_pubkey),
+woken AS (
+    DELETE FROM "workflow_delivery_idle_wake_targets" AS i USING created AS c
+     WHERE i.community_id = c.community_id AND i.target_pubkey = c.target_pubkey
+    RETURNING i.community_id, i.target_pubkey, c.id
+),
+sent AS MATERIALIZED (
+    SELECT count(pg_notify('workflow_delivery_wake', w.community_id::text || ':'
+                           || encode(w.target_pubkey, 'hex') || ':' || w.id::text)) AS n
+      FROM woken AS w
+)
+SELECT created.id, created.community_id, created.target_pubkey FROM created CROSS JOIN sent;
+
+-- name: notifying(INSERT_SHARED_DELIVERIES) --
+WITH created AS (WITH fence AS MATERIALIZED (SELECT wd_require_community_write(%(community)s::uuid, 'INSERT', 'workflow_agent_deliveries', current_schema())::text AS fenced )
+INSERT INTO "workflow_agent_deliveries" ("id", "community_id", "workflow_id", "run_id", "step_id", "target_pubkey", "definition_event_id", "message_event_id", "message_event_created_at", "cause_kind", "cause_event_id", "cause_scheduled_for", "cause_webhook_invocation_id")
+SELECT v.* FROM (SELECT v."id", s."community_id", s."workflow_id", s."run_id", s."step_id", v."target_pubkey", s."definition_event_id", s."message_event_id", s."message_event_created_at", s."cause_kind", s."cause_event_id", s."cause_scheduled_for", s."cause_webhook_invocation_id" FROM (SELECT %(community_id)s::uuid AS "community_id", %(workflow_id)s::uuid AS "workflow_id", %(run_id)s::uuid AS "run_id", %(step_id)s::text AS "step_id", %(definition_event_id)s::bytea AS "definition_event_id", %(message_event_id)s::bytea AS "message_event_id", %(message_event_created_at)s::timestamptz AS "message_event_created_at", %(cause_kind)s::text AS "cause_kind", %(cause_event_id)s::bytea AS "cause_event_id", %(cause_scheduled_for)s::timestamptz AS "cause_scheduled_for", %(cause_webhook_invocation_id)s::uuid AS "cause_webhook_invocation_id") AS s CROSS JOIN unnest(%(id)s::uuid[], %(target_pubkey)s::bytea[]) AS v ("id", "target_pubkey")) AS v CROSS JOIN fence
+ON CONFLICT ON CONSTRAINT wd_delivery_identity_key DO NOTHING RETURNING id, community_id, target_pubkey),
+woken AS (
+    DELETE FROM "workflow_delivery_idle_wake_targets" AS i USING created AS c
+     WHERE i.community_id = c.community_id AND i.target_pubkey = c.target_pubkey
+    RETURNING i.community_id, i.target_pubkey, c.id
+),
+sent AS MATERIALIZED (
+    SELECT count(pg_notify('workflow_delivery_wake', w.community_id::text || ':'
+                           || encode(w.target_pubkey, 'hex') || ':' || w.id::text)) AS n
+      FROM woken AS w
+)
+SELECT created.id, created.community_id, created.target_pubkey FROM created CROSS JOIN sent;
+
+-- name: notifying(LOCK_AND_INSERT_DELIVERIES) --
+WITH created AS (WITH step_lock AS MATERIALIZED (SELECT pg_advisory_xact_lock(hashtextextended(
+           'workflow_delivery.delivery_identity:' || %(community)s::text || ':'
+           || %(run)s::text || ':' || %(step)s, 0))::text AS locked),
+fence AS MATERIALIZED (SELECT wd_require_community_write(%(community)s::uuid, 'INSERT', 'workflow_agent_deliveries', current_schema())::text AS fenced FROM step_lock)
+INSERT INTO "workflow_agent_deliveries" ("id", "community_id", "workflow_id", "run_id", "step_id", "target_pubkey", "definition_event_id", "message_event_id", "message_event_created_at", "cause_kind", "cause_event_id", "cause_scheduled_for", "cause_webhook_invocation_id")
+SELECT v.* FROM (SELECT * FROM unnest(%(id)s::uuid[], %(community_id)s::uuid[], %(workflow_id)s::uuid[], %(run_id)s::uuid[], %(step_id)s::text[], %(target_pubkey)s::bytea[], %(definition_event_id)s::bytea[], %(message_event_id)s::bytea[], %(message_event_created_at)s::timestamptz[], %(cause_kind)s::text[], %(cause_event_id)s::bytea[], %(cause_scheduled_for)s::timestamptz[], %(cause_webhook_invocation_id)s::uuid[]) AS v ("id", "community_id", "workflow_id", "run_id", "step_id", "target_pubkey", "definition_event_id", "message_event_id", "message_event_created_at", "cause_kind", "cause_event_id", "cause_scheduled_for", "cause_webhook_invocation_id")) AS v CROSS JOIN fence
+ON CONFLICT ON CONSTRAINT wd_delivery_identity_key DO NOTHING RETURNING id, community_id, target_pubkey),
+woken AS (
+    DELETE FROM "workflow_delivery_idle_wake_targets" AS i USING created AS c
+     WHERE i.community_id = c.community_id AND i.target_pubkey = c.target_pubkey
+    RETURNING i.community_id, i.target_pubkey, c.id
+),
+sent AS MATERIALIZED (
+    SELECT count(pg_notify('workflow_delivery_wake', w.community_id::text || ':'
+                           || encode(w.target_pubkey, 'hex') || ':' || w.id::text)) AS n
+      FROM woken AS w
+)
+SELECT created.id, created.community_id, created.target_pubkey FROM created CROSS JOIN sent;
+
+-- name: notifying(LOCK_AND_INSERT_SHARED_DELIVERIES) --
+WITH created AS (WITH step_lock AS MATERIALIZED (SELECT pg_advisory_xact_lock(hashtextextended(
+           'workflow_delivery.delivery_identity:' || %(community)s::text || ':'
+           || %(run)s::text || ':' || %(step)s, 0))::text AS locked),
+fence AS MATERIALIZED (SELECT wd_require_community_write(%(community)s::uuid, 'INSERT', 'workflow_agent_deliveries', current_schema())::text AS fenced FROM step_lock)
+INSERT INTO "workflow_agent_deliveries" ("id", "community_id", "workflow_id", "run_id", "step_id", "target_pubkey", "definition_event_id", "message_event_id", "message_event_created_at", "cause_kind", "cause_event_id", "cause_scheduled_for", "cause_webhook_invocation_id")
+SELECT v.* FROM (SELECT v."id", s."community_id", s."workflow_id", s."run_id", s."step_id", v."target_pubkey", s."definition_event_id", s."message_event_id", s."message_event_created_at", s."cause_kind", s."cause_event_id", s."cause_scheduled_for", s."cause_webhook_invocation_id" FROM (SELECT %(community_id)s::uuid AS "community_id", %(workflow_id)s::uuid AS "workflow_id", %(run_id)s::uuid AS "run_id", %(step_id)s::text AS "step_id", %(definition_event_id)s::bytea AS "definition_event_id", %(message_event_id)s::bytea AS "message_event_id", %(message_event_created_at)s::timestamptz AS "message_event_created_at", %(cause_kind)s::text AS "cause_kind", %(cause_event_id)s::bytea AS "cause_event_id", %(cause_scheduled_for)s::timestamptz AS "cause_scheduled_for", %(cause_webhook_invocation_id)s::uuid AS "cause_webhook_invocation_id") AS s CROSS JOIN unnest(%(id)s::uuid[], %(target_pubkey)s::bytea[]) AS v ("id", "target_pubkey")) AS v CROSS JOIN fence
+ON CONFLICT ON CONSTRAINT wd_delivery_identity_key DO NOTHING RETURNING id, community_id, target_pubkey),
+woken AS (
+    DELETE FROM "workflow_delivery_idle_wake_targets" AS i USING created AS c
+     WHERE i.community_id = c.community_id AND i.target_pubkey = c.target_pubkey
+    RETURNING i.community_id, i.target_pubkey, c.id
+),
+sent AS MATERIALIZED (
+    SELECT count(pg_notify('workflow_delivery_wake', w.community_id::text || ':'
+                           || encode(w.target_pubkey, 'hex') || ':' || w.id::text)) AS n
+      FROM woken AS w
+)
+SELECT created.id, created.community_id, created.target_pubkey FROM created CROSS JOIN sent;
+
+-- name: reap_batch(500, 20) --
+WITH recording AS MATERIALIZED (SELECT set_config('workflow_delivery.recorded_by_statement', 'on', true) AS name),
+-- Rows another transaction holds (a holder inside holding() past its lease) are
+-- skipped before each LIMIT counts, so locked rows never fill a batch or a candidate
+-- slot and every unlocked expired lease is reachable.
+candidates AS MATERIALIZED (
+    SELECT c.id, e.oldest
+      FROM recording, "communities" AS c
+     CROSS JOIN LATERAL (
+           SELECT r.lease_until AS oldest FROM "workflow_agent_deliveries" AS r
+            WHERE r.community_id = c.id AND r.status = 'claimed' AND r.lease_until < statement_timestamp()
+            ORDER BY r.lease_until LIMIT 1
+              FOR UPDATE OF r SKIP LOCKED
+     ) AS e
+     WHERE c.deletion_state = 'active'
+     ORDER BY e.oldest
+     LIMIT 500
+),
+tried AS MATERIALIZED (
+    SELECT id, oldest, pg_try_advisory_xact_lock_shared(hashtextextended('workflow_delivery.community_deletion:' || id::text, 0)) AS locked
+      FROM candidates
+),
+open AS MATERIALIZED (
+    SELECT id FROM tried WHERE CASE WHEN locked THEN community_write_allowed(id) ELSE false END
+),
+expired AS (
+    SELECT d.id, coalesce(d.last_claimed_at, d.claimed_at) AS claimed_at
+      FROM "workflow_agent_deliveries" AS d
+     WHERE d.id IN (
+           SELECT x.id FROM open
+            CROSS JOIN LATERAL (
+                  SELECT r.id, r.lease_until FROM "workflow_agent_deliveries" AS r
+                   WHERE r.community_id = open.id AND r.status = 'claimed' AND r.lease_until < statement_timestamp()
+                   ORDER BY r.lease_until LIMIT 500
+                     FOR UPDATE OF r SKIP LOCKED
+            ) AS x
+            ORDER BY x.lease_until LIMIT 500
+     )
+       AND d.status = 'claimed' AND d.lease_until < statement_timestamp()
+       FOR UPDATE OF d SKIP LOCKED
+),
+moved AS (
+    UPDATE "workflow_agent_deliveries" AS d
+       SET status = CASE WHEN d.attempts - d.attempts_at_retry >= 20::integer THEN 'failed' ELSE 'pending' END,
+       lease_generation = d.lease_generation + 1, lease_until = NULL, claimed_at = NULL,
+       finished_at = CASE WHEN d.attempts - d.attempts_at_retry >= 20::integer THEN statement_timestamp() END
+      FROM expired
+     WHERE d.id = expired.id
+    RETURNING d.community_id, d.id, 'claimed' AS status_before, d.status, d.lease_generation,
+              d.attempts, expired.claimed_at,
+              CASE WHEN d.status = 'failed' THEN 'attempts_exhausted' ELSE 'reaped' END AS kind
+),
+recorded AS (
+    INSERT INTO "workflow_delivery_timeline"
+        (community_id, delivery_id, at, kind, generation, attempts, status_before,
+         status_after, actor)
+    SELECT m.community_id, m.id, e.at, e.kind, e.generation, m.attempts, e.status_before,
+           e.status_after, e.actor
+      FROM moved AS m
+     CROSS JOIN LATERAL (
+           VALUES (1, m.claimed_at, 'claimed', m.lease_generation - 1, 'pending', 'claimed',
+                   'holder'),
+                  (2, clock_timestamp(), m.kind, m.lease_generation, m.status_before, m.status,
+                   'reaper')
+     ) AS e (n, at, kind, generation, status_before, status_after, actor)
+     WHERE current_setting('workflow_delivery.timeline', true) IS DISTINCT FROM 'off'
+       AND (e.n = 2 OR (m.status_before = 'claimed' AND NOT EXISTS (
+           SELECT 1 FROM "workflow_delivery_timeline" AS t
+            WHERE t.community_id = m.community_id AND t.delivery_id = m.id
+              AND t.status_after = 'claimed' AND t.attempts = m.attempts
+       )))
+     ORDER BY e.n
+),
+recording_done AS (
+    SELECT count(*) AS count,
+           set_config('workflow_delivery.recorded_by_statement', 'off', true) AS name
+      FROM moved
+)
+SELECT recording_done.count,
+       (SELECT count(*) FROM moved WHERE status = 'failed'),
+       ARRAY(SELECT id FROM tried WHERE NOT locked ORDER BY id)
+  FROM recording_done;
+
+-- name: reap_batch(500, None) --
+WITH recording AS MATERIALIZED (SELECT set_config('workflow_delivery.recorded_by_statement', 'on', true) AS name),
+-- Rows another transaction holds (a holder inside holding() past its lease) are
+-- skipped before each LIMIT counts, so locked rows never fill a batch or a candidate
+-- slot and every unlocked expired lease is reachable.
+candidates AS MATERIALIZED (
+    SELECT c.id, e.oldest
+      FROM recording, "communities" AS c
+     CROSS JOIN LATERAL (
+           SELECT r.lease_until AS oldest FROM "workflow_agent_deliveries" AS r
+            WHERE r.community_id = c.id AND r.status = 'claimed' AND r.lease_until < statement_timestamp()
+            ORDER BY r.lease_until LIMIT 1
+              FOR UPDATE OF r SKIP LOCKED
+     ) AS e
+     WHERE c.deletion_state = 'active'
+     ORDER BY e.oldest
+     LIMIT 500
+),
+tried AS MATERIALIZED (
+    SELECT id, oldest, pg_try_advisory_xact_lock_shared(hashtextextended('workflow_delivery.community_deletion:' || id::text, 0)) AS locked
+      FROM candidates
+),
+open AS MATERIALIZED (
+    SELECT id FROM tried WHERE CASE WHEN locked THEN community_write_allowed(id) ELSE false END
+),
+expired AS (
+    SELECT d.id, coalesce(d.last_claimed_at, d.claimed_at) AS claimed_at
+      FROM "workflow_agent_deliveries" AS d
+     WHERE d.id IN (
+           SELECT x.id FROM open
+            CROSS JOIN LATERAL (
+                  SELECT r.id, r.lease_until FROM "workflow_agent_deliveries" AS r
+                   WHERE r.community_id = open.id AND r.status = 'claimed' AND r.lease_until < statement_timestamp()
+                   ORDER BY r.lease_until LIMIT 500
+                     FOR UPDATE OF r SKIP LOCKED
+            ) AS x
+            ORDER BY x.lease_until LIMIT 500
+     )
+       AND d.status = 'claimed' AND d.lease_until < statement_timestamp()
+       FOR UPDATE OF d SKIP LOCKED
+),
+moved AS (
+    UPDATE "workflow_agent_deliveries" AS d
+       SET status = CASE WHEN d.attempts - d.attempts_at_retry >= NULL::integer THEN 'failed' ELSE 'pending' END,
+       lease_generation = d.lease_generation + 1, lease_until = NULL, claimed_at = NULL,
+       finished_at = CASE WHEN d.attempts - d.attempts_at_retry >= NULL::integer THEN statement_timestamp() END
+      FROM expired
+     WHERE d.id = expired.id
+    RETURNING d.community_id, d.id, 'claimed' AS status_before, d.status, d.lease_generation,
+              d.attempts, expired.claimed_at,
+              CASE WHEN d.status = 'failed' THEN 'attempts_exhausted' ELSE 'reaped' END AS kind
+),
+recorded AS (
+    INSERT INTO "workflow_delivery_timeline"
+        (community_id, delivery_id, at, kind, generation, attempts, status_before,
+         status_after, actor)
+    SELECT m.community_id, m.id, e.at, e.kind, e.generation, m.attempts, e.status_before,
+           e.status_after, e.actor
+      FROM moved AS m
+     CROSS JOIN LATERAL (
+           VALUES (1, m.claimed_at, 'claimed', m.lease_generation - 1, 'pending', 'claimed',
+                   'holder'),
+                  (2, clock_timestamp(), m.kind, m.lease_generation, m.status_before, m.status,
+                   'reaper')
+     ) AS e (n, at, kind, generation, status_before, status_after, actor)
+     WHERE current_setting('workflow_delivery.timeline', true) IS DISTINCT FROM 'off'
+       AND (e.n = 2 OR (m.status_before = 'claimed' AND NOT EXISTS (
+           SELECT 1 FROM "workflow_delivery_timeline" AS t
+            WHERE t.community_id = m.community_id AND t.delivery_id = m.id
+              AND t.status_after = 'claimed' AND t.attempts = m.attempts
+       )))
+     ORDER BY e.n
+),
+recording_done AS (
+    SELECT count(*) AS count,
+           set_config('workflow_delivery.recorded_by_statement', 'off', true) AS name
+      FROM moved
+)
+SELECT recording_done.count,
+       (SELECT count(*) FROM moved WHERE status = 'failed'),
+       ARRAY(SELECT id FROM tried WHERE NOT locked ORDER BY id)
+  FROM recording_done;
