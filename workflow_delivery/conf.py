@@ -37,6 +37,10 @@ DEFAULTS: dict[str, Any] = {
     "API_REPLAY_PRUNE_INTERVAL_SECONDS": 60.0,
     # With NOTIFY off, a ``wait`` looks for the caller's pending deliveries this often.
     "API_WAIT_POLL_SECONDS": 2.0,
+    # With NOTIFY on, the safety poll behind the wake-ups: the process's wake listener
+    # looks for every waiter's claimable deliveries in one query about this often
+    # (jittered by a quarter either way), so a notification missed is found.
+    "API_WAIT_SWEEP_SECONDS": 15.0,
     # Wake-ups (wakeups.py): a consumer with nothing to claim registers its targets as
     # idle, and a producer's insert notifies only those, once each, consuming the
     # registration; with busy or absent consumers it sends none. From the insert

@@ -4,8 +4,13 @@ every waiting request of that process.
 A waiter costs a future, not a connection: the listener thread holds the only
 connection that LISTENs (``wakeups.WakeListener``), and resolves the futures of the
 (community, target) a notification names, on each waiter's own event loop. After a
-lost and reopened session every waiter is answered empty, so its agent polls for
-anything sent meanwhile. Producers notify only targets registered as idle: the view
+lost and reopened session every waiter is sent to look again (a ``wait`` is answered
+empty, a waiting claim claims once more). Behind the notifications, a safety poll that
+costs one query however many wait: about every ``WORKFLOW_DELIVERY_API_WAIT_SWEEP_SECONDS``
+(jittered) the listener's thread looks for a claimable delivery of every waiting
+(community, target) at once and wakes those that have one, so a notification missed
+(sent by a process with wake-ups off, or consumed while its waiter was between looks)
+is found. Producers notify only targets registered as idle: the view
 registers its caller's (``services.register_idle``) once this hub listens, before its
 last look for a pending delivery. A wake is an accelerator only: the agent still claims
 through the ordinary path.
@@ -15,23 +20,36 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
+import random
 import threading
+import time
 from uuid import UUID
 
-from django.db import DEFAULT_DB_ALIAS
+from django.db import DEFAULT_DB_ALIAS, connections
+from django.db import Error as DatabaseError
 
+from ..conf import app_settings
+from ..models import WorkflowAgentDelivery
 from ..wakeups import WakeListener, WakeNotice
+
+logger = logging.getLogger(__name__)
 
 _POLL_SECONDS = 0.5
 
 Key = tuple[UUID, bytes]
 
 
-class _Waiter:
+class Waiter:
+    """One waiting request: a future on its event loop, resolved from the listener's
+    thread with the delivery a notification names (None: look again)."""
+
     __slots__ = ("future", "loop")
 
-    def __init__(self) -> None:
-        self.loop = asyncio.get_running_loop()
+    def __init__(self, loop: asyncio.AbstractEventLoop | None = None) -> None:
+        # Made on another thread for a parked answer (``api.asgi.Parked``): creating a
+        # future touches nothing of its loop's, and it is resolved only on the loop.
+        self.loop = loop or asyncio.get_running_loop()
         self.future: asyncio.Future[UUID | None] = self.loop.create_future()
 
     def resolve(self, delivery_id: UUID | None) -> None:
@@ -50,7 +68,7 @@ class WakeHub:
     def __init__(self, using: str = DEFAULT_DB_ALIAS) -> None:
         self.using = using
         self._lock = threading.Lock()
-        self._waiters: dict[Key, set[_Waiter]] = {}
+        self._waiters: dict[Key, set[Waiter]] = {}
         self._count = 0
         self._thread: threading.Thread | None = None
         self._listening = threading.Event()
@@ -60,15 +78,17 @@ class WakeHub:
     def waiting(self) -> int:
         return self._count
 
-    def register(self, community_id: UUID, target: bytes) -> _Waiter:
-        """A waiter for the caller, on the running event loop."""
-        waiter = _Waiter()
+    def register(
+        self, community_id: UUID, target: bytes, *, loop: asyncio.AbstractEventLoop | None = None
+    ) -> Waiter:
+        """A waiter for the caller, on ``loop`` (by default the running event loop)."""
+        waiter = Waiter(loop)
         with self._lock:
             self._waiters.setdefault((community_id, target), set()).add(waiter)
             self._count += 1
         return waiter
 
-    def unregister(self, community_id: UUID, target: bytes, waiter: _Waiter) -> None:
+    def unregister(self, community_id: UUID, target: bytes, waiter: Waiter) -> None:
         with self._lock:
             waiters = self._waiters.get((community_id, target))
             if waiters is not None and waiter in waiters:
@@ -99,12 +119,40 @@ class WakeHub:
 
     def dispatch(self, hint: WakeNotice) -> int:
         """Wake every waiter of the hint's community and target; returns how many."""
+        return self._wake((hint.community_id, hint.target_pubkey), hint.delivery_id)
+
+    def _wake(self, key: Key, delivery_id: UUID | None) -> int:
         with self._lock:
-            waiters = self._waiters.pop((hint.community_id, hint.target_pubkey), set())
+            waiters = self._waiters.pop(key, set())
             self._count -= len(waiters)
         for waiter in waiters:
-            waiter.resolve(hint.delivery_id)
+            waiter.resolve(delivery_id)
         return len(waiters)
+
+    def sweep(self) -> int:
+        """The safety poll: one query for the oldest claimable delivery of every
+        waiting (community, target), and their waiters woken with it; returns how
+        many waiters were woken."""
+        with self._lock:
+            keys = set(self._waiters)
+        if not keys:
+            return 0
+        rows = (
+            WorkflowAgentDelivery.objects.using(self.using)
+            .claimable()
+            .filter(
+                community_id__in={community for community, _ in keys},
+                target_pubkey__in={target for _, target in keys},
+            )
+            .order_by("created_at", "id")
+            .values_list("community_id", "target_pubkey", "id")
+        )
+        found: dict[Key, UUID] = {}
+        for community_id, target, delivery_id in rows:
+            key = (community_id, bytes(target))
+            if key in keys:
+                found.setdefault(key, delivery_id)
+        return sum(self._wake(key, delivery_id) for key, delivery_id in found.items())
 
     def _wake_everyone(self) -> None:
         """After a lost connection notifications may have been missed: send every
@@ -119,6 +167,7 @@ class WakeHub:
     def _run(self) -> None:
         listener = WakeListener(self.using)
         reconnects = 0
+        next_sweep = time.monotonic() + _sweep_interval()
         try:
             while not self._stop.is_set():
                 hints = listener.wait(_POLL_SECONDS)
@@ -131,9 +180,28 @@ class WakeHub:
                     self._wake_everyone()
                 for hint in hints:
                     self.dispatch(hint)
+                if time.monotonic() >= next_sweep:
+                    next_sweep = time.monotonic() + _sweep_interval()
+                    self._sweep_safely()
         finally:
             self._listening.clear()
             listener.close()
+            connections[self.using].close()
+
+    def _sweep_safely(self) -> None:
+        """A sweep whose database error is logged, its session closed, and the next
+        sweep left to look again."""
+        try:
+            self.sweep()
+        except DatabaseError:
+            logger.warning("the waiters' safety poll failed; next one as planned", exc_info=True)
+            connections[self.using].close()
+
+
+def _sweep_interval() -> float:
+    """Seconds to the next safety poll: the setting, jittered by a quarter either way
+    so the processes of a site do not all look at once."""
+    return app_settings.API_WAIT_SWEEP_SECONDS * random.uniform(0.75, 1.25)
 
 
 hub = WakeHub()
