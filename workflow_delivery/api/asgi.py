@@ -396,9 +396,30 @@ class PooledThreadsHandler(ASGIHandler):
 def get_asgi_application(
     threads: int = 4, max_body_bytes: int | object | None = _UNSET
 ) -> PooledThreadsHandler:
-    """Django's ``get_asgi_application()`` with a ``PooledThreadsHandler``."""
+    """Django's ``get_asgi_application()`` with a ``PooledThreadsHandler``, in a
+    process whose open-files limit is raised as far as it may be
+    (``raise_open_files_limit``): each waiting request holds a socket."""
     django.setup(set_prefix=False)
+    raise_open_files_limit()
     return PooledThreadsHandler(threads, max_body_bytes)
+
+
+def raise_open_files_limit() -> int:
+    """This process's soft ``RLIMIT_NOFILE`` raised to its hard limit (which only the
+    system's configuration can raise: ``ulimit -Hn``, systemd's ``LimitNOFILE``);
+    returns the soft limit now in force, or -1 where there is no such limit."""
+    try:
+        import resource
+    except ImportError:  # not a POSIX system
+        return -1
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != hard and (soft < hard or hard == resource.RLIM_INFINITY):
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+        except (ValueError, OSError):
+            return soft
+        return hard
+    return soft
 
 
 def _host(scope) -> str:

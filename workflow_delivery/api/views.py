@@ -376,27 +376,36 @@ class _WaitingClaim:
         was woken), on the request's thread. Finding nothing while the process
         listens, the caller's target is registered as idle and claimed for once more,
         so a commit lands either before that claim or after the registration, which
-        makes its producer notify. ``looked``: a claim was made just before (the
-        admission's), so the first one here is left out."""
+        makes its producer notify; when this process registered it already and no
+        notification has consumed it since (``WakeHub.registered``, asked once the
+        waiter is registered), it stands and nothing more is asked. ``looked``: a
+        claim was made just before (the admission's), so the first one here is left
+        out."""
         if self.waiter is None or self.waiter.future.done():
             self.forget()
             self.waiter = hub.register(self.community_id, self.pubkey, loop=self.loop)
         listening = app_settings.NOTIFY is True and hub.ensure_listening()
-        if looked and not listening:
+        if looked and (not listening or hub.registered(self.community_id, self.pubkey)):
             return None
 
+        def claim() -> Claimed | None:
+            return services.claim_enrolled(
+                self.community_id, self.pubkey, lease_seconds=self.lease_seconds
+            )
+
         def work() -> Claimed | None:
-            claimed = None
-            if not looked:
-                claimed = services.claim_enrolled(
-                    self.community_id, self.pubkey, lease_seconds=self.lease_seconds
-                )
-            if claimed is None and listening:
+            claimed = None if looked else claim()
+            if claimed is not None or not listening:
+                return claimed
+            if hub.registered(self.community_id, self.pubkey):
+                return None
+            hub.registering(self.community_id, self.pubkey)
+            try:
                 services.register_idle(self.community_id, [self.pubkey])
-                claimed = services.claim_enrolled(
-                    self.community_id, self.pubkey, lease_seconds=self.lease_seconds
-                )
-            return claimed
+            except BaseException:
+                hub.forget_registration(self.community_id, self.pubkey)
+                raise
+            return claim()
 
         claimed = _gated(work)
         if claimed is not None:

@@ -36,6 +36,9 @@ from ..wakeups import WakeListener, WakeNotice
 logger = logging.getLogger(__name__)
 
 _POLL_SECONDS = 0.5
+# Targets remembered as registered idle (``WakeHub.registering``) at most; past it the
+# memory is cleared, and the next waits register theirs again.
+_REGISTERED_BOUND = 100_000
 
 Key = tuple[UUID, bytes]
 
@@ -70,6 +73,9 @@ class WakeHub:
         self._lock = threading.Lock()
         self._waiters: dict[Key, set[Waiter]] = {}
         self._count = 0
+        # Targets this process registered as idle whose registration no notification
+        # has consumed since, while the listener's session has lasted (``registering``).
+        self._registered: set[Key] = set()
         self._thread: threading.Thread | None = None
         self._listening = threading.Event()
         self._stop = threading.Event()
@@ -87,6 +93,27 @@ class WakeHub:
             self._waiters.setdefault((community_id, target), set()).add(waiter)
             self._count += 1
         return waiter
+
+    def registering(self, community_id: UUID, target: bytes) -> None:
+        """Called before the caller's target is registered as idle: from then on,
+        until a notification for it is dispatched or the listener's session is lost,
+        ``registered`` says its registration stands and need not be made again. A
+        registration removed without a notification (a ``Consumer`` of the same target
+        stopping) is not seen here; its waiters are found by the safety poll."""
+        with self._lock:
+            if len(self._registered) >= _REGISTERED_BOUND:
+                self._registered.clear()
+            self._registered.add((community_id, target))
+
+    def forget_registration(self, community_id: UUID, target: bytes) -> None:
+        """The registration was not made (its statement failed)."""
+        with self._lock:
+            self._registered.discard((community_id, target))
+
+    def registered(self, community_id: UUID, target: bytes) -> bool:
+        """Whether the target's idle registration stands, as far as this process knows."""
+        with self._lock:
+            return (community_id, target) in self._registered
 
     def unregister(self, community_id: UUID, target: bytes, waiter: Waiter) -> None:
         with self._lock:
@@ -121,8 +148,11 @@ class WakeHub:
         """Wake every waiter of the hint's community and target; returns how many."""
         return self._wake((hint.community_id, hint.target_pubkey), hint.delivery_id)
 
-    def _wake(self, key: Key, delivery_id: UUID | None) -> int:
+    def _wake(self, key: Key, delivery_id: UUID | None, *, consumed: bool = True) -> int:
         with self._lock:
+            if consumed:
+                # A notification consumes its target's registration.
+                self._registered.discard(key)
             waiters = self._waiters.pop(key, set())
             self._count -= len(waiters)
         for waiter in waiters:
@@ -152,7 +182,9 @@ class WakeHub:
             key = (community_id, bytes(target))
             if key in keys:
                 found.setdefault(key, delivery_id)
-        return sum(self._wake(key, delivery_id) for key, delivery_id in found.items())
+        return sum(
+            self._wake(key, delivery_id, consumed=False) for key, delivery_id in found.items()
+        )
 
     def _wake_everyone(self) -> None:
         """After a lost connection notifications may have been missed: send every
@@ -160,6 +192,8 @@ class WakeHub:
         with self._lock:
             everyone = [waiter for waiters in self._waiters.values() for waiter in waiters]
             self._waiters.clear()
+            # Notifications may have consumed registrations unseen.
+            self._registered.clear()
             self._count = 0
         for waiter in everyone:
             waiter.resolve(None)
