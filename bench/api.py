@@ -23,6 +23,15 @@ every request). Then, per server, ``--wake-samples`` commit -> ``wait`` answers 
 one parked agent (and the same for an agent parked in a claim with ``wait``,
 commit -> lease in hand), and (uvicorn) the HTTP side again while ``--waiters`` other
 agents sit in ``wait``, against the HTTP side alone just before.
+
+``--capacity N[,N...]`` measures only the waiting capacity of one uvicorn worker: N
+agents parked in ``POST v1/claim`` with ``wait`` (a second process, raw HTTP/1.1 over
+asyncio streams, one keep-alive connection each), the ramp until all are parked, the
+server's memory per waiter and its CPU while they wait, commit -> lease for
+``--capacity-sends`` sends to single waiting agents, and the 503s:
+
+    .venv/bin/python bench/api.py --capacity 1000,5000,10000 --capacity-rate 150 \
+        --capacity-env ASGI_THREADS=8 --capacity-env WORKFLOW_DELIVERY_API_IN_FLIGHT_WAIT_SECONDS=30
 """
 
 from __future__ import annotations

@@ -28,7 +28,10 @@ DEFAULTS: dict[str, Any] = {
     "API_MAX_CLOCK_SKEW_SECONDS": 60,
     "API_MAX_BODY_BYTES": 65536,
     "API_MAX_WAIT_SECONDS": 60,
-    "API_MAX_WAITERS": 1000,
+    # Waits and waiting claims one process holds; more are answered 503. From
+    # bench/api.py --capacity: one uvicorn worker held 10,000, its wake-ups prompt
+    # up to 5,000 on a loaded 2-core machine (each waiter asks again once a minute).
+    "API_MAX_WAITERS": 5000,
     # The agent API's synchronous requests one community may have in flight in a
     # process served by api.asgi's handler; None: one less than its threads (at least 1).
     "API_MAX_IN_FLIGHT_PER_COMMUNITY": None,

@@ -210,3 +210,28 @@ def test_after_the_listener_s_session_is_lost_every_parked_claim_looks_again(not
         assert claiming.claimed is not None and claiming.claimed[1].id == delivery.id
         # Well before the end of its wait: the listener's loss sent it to look.
         assert claiming.elapsed < 35
+
+
+def test_a_claim_waiting_again_on_the_registration_it_left_is_woken(not_sweeping):
+    """An empty answer leaves the target registered as idle, and the process knows it
+    made that registration: the next waiting claim does not make it again, and the
+    producer's notification (which consumes it) still wakes that claim."""
+    owner, (key,) = agents(1)
+    url = base_url(not_sweeping)
+    first = Claiming(url, key, wait=1)
+    first.start()
+    first.join(20)
+    assert first.error is None and first.claimed is None
+    idle = IdleWakeTarget.objects.filter(community_id=owner.id, target_pubkey=pubkey(key))
+    assert idle.exists()
+    again = Claiming(url, key, wait=30)
+    again.start()
+    time.sleep(1.0)
+    delivery = commit(owner, key)
+    again.join(35)
+    assert again.error is None
+    assert again.claimed is not None and again.claimed[1].id == delivery.id
+    # Woken, not ended by its deadline (this server's safety poll never runs), and the
+    # notification consumed the registration.
+    assert again.elapsed < 20
+    assert not idle.exists()
