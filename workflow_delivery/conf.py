@@ -38,7 +38,8 @@ DEFAULTS: dict[str, Any] = {
     # How long a request over that bound waits (on the event loop) before its 503.
     "API_IN_FLIGHT_WAIT_SECONDS": 5.0,
     "API_REPLAY_PRUNE_INTERVAL_SECONDS": 60.0,
-    # With NOTIFY off, a ``wait`` looks for the caller's pending deliveries this often.
+    # With NOTIFY off, a process looks for every waiter's claimable deliveries (one
+    # query for all of them) this often.
     "API_WAIT_POLL_SECONDS": 2.0,
     # With NOTIFY on, the safety poll behind the wake-ups: the process's wake listener
     # looks for every waiter's claimable deliveries in one query about this often

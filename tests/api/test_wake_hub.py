@@ -111,3 +111,17 @@ def test_after_the_listener_s_session_is_lost_every_waiter_looks_again(hub, loop
     while not hub.ensure_listening(0.1) and time.monotonic() < deadline:
         pass
     assert hub.ensure_listening(0.1)
+
+
+def test_with_wake_ups_off_one_poll_wakes_the_waiters_with_a_claimable_delivery(hub, loop):
+    owner = factories.community("poll.example")
+    found, idle = pubkey(secret()), pubkey(secret())
+    factories.enroll(owner, [found, idle])
+    waiting_found = hub.register(owner.id, found, loop=loop)
+    waiting_idle = hub.register(owner.id, idle, loop=loop)
+    delivery_id = quietly_committed(owner, found)
+    with override_settings(WORKFLOW_DELIVERY_API_WAIT_POLL_SECONDS=0.2):
+        hub.ensure_sweeping()
+        settled(loop, {waiting_found.future})
+    assert waiting_found.future.result() == delivery_id
+    assert not waiting_idle.future.done() and hub.waiting == 1

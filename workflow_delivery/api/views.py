@@ -385,6 +385,8 @@ class _WaitingClaim:
             self.forget()
             self.waiter = hub.register(self.community_id, self.pubkey, loop=self.loop)
         listening = app_settings.NOTIFY is True and hub.ensure_listening()
+        if not listening:
+            hub.ensure_sweeping()
         if looked and (not listening or hub.registered(self.community_id, self.pubkey)):
             return None
 
@@ -421,7 +423,8 @@ class _WaitingClaim:
 def _claim_waiting(request: HttpRequest, signed: Signed, payload: schema.ClaimIn) -> HttpResponse:
     """Claim now, or as soon as a delivery is claimable for the caller within
     ``payload.wait`` seconds: woken by the producers' notifications as ``wait`` is
-    (and, with wake-ups off, polling every ``WORKFLOW_DELIVERY_API_WAIT_POLL_SECONDS``),
+    (and, with wake-ups off, by the process's poll of every waiter at once, every
+    ``WORKFLOW_DELIVERY_API_WAIT_POLL_SECONDS``),
     each wake-up followed by a claim that only an enabled agent's key can make.
 
     The admission, the first claim, the waiter's registration and the look after it
@@ -478,17 +481,17 @@ async def _wait_inline(
 
 
 async def _until_claimed(request: HttpRequest, waiting: _WaitingClaim) -> HttpResponse:
-    """The parked waiting claim: a look after each wake-up (and, with wake-ups off,
-    every ``WORKFLOW_DELIVERY_API_WAIT_POLL_SECONDS``) until one claims, or 204 at
-    its deadline. Between looks it holds only its waiter's future."""
-    poll = None if app_settings.NOTIFY is True else app_settings.API_WAIT_POLL_SECONDS
+    """The parked waiting claim: a look after each wake-up (a notification, the safety
+    poll, or with wake-ups off the process's poll, ``WakeHub.ensure_sweeping``) until
+    one claims, or 204 at its deadline. Between looks it holds only its waiter's
+    future."""
     try:
         while (remaining := waiting.deadline - time.monotonic()) > 0:
             woken = waiting.waiter.future if waiting.waiter is not None else None
             if woken is not None:
-                # asyncio.wait, not wait_for: a slice that ends must not cancel it.
-                await asyncio.wait({woken}, timeout=min(remaining, poll or remaining))
-                if not woken.done() and poll is None:
+                # asyncio.wait, not wait_for: the deadline must not cancel it.
+                await asyncio.wait({woken}, timeout=remaining)
+                if not woken.done():
                     continue
             claimed = await sync_to_async(waiting.look)()
             if claimed is not None:
@@ -759,8 +762,11 @@ def _prepare_wait(caller: Caller) -> UUID | None:
     Finding none while listening, the caller's target is registered as idle
     (``services.register_idle``) and looked at once more, so a commit lands either
     before that look or after the registration, which makes its producer notify.
-    With wake-ups off nothing is sent to listen for; the wait polls instead."""
+    With wake-ups off nothing is sent to listen for; the process's poll of every
+    waiter at once (``WakeHub.ensure_sweeping``) looks instead."""
     listening = app_settings.NOTIFY is True and hub.ensure_listening()
+    if not listening:
+        hub.ensure_sweeping()
     pending = _pending_delivery(caller)
     if pending is None and listening:
         pending = _pending_delivery(caller, register_idle=True)
@@ -821,7 +827,7 @@ async def wait(
         pending = await sync_to_async(_prepare_wait)(caller)
         if pending is not None:
             return _wake(caller, pending)
-        delivery_id = await _until_woken(caller, waiter.future, timeout)
+        delivery_id = await _until_woken(waiter.future, timeout)
         if delivery_id is None:
             return Status(204, None)
         return _wake(caller, delivery_id)
@@ -829,21 +835,13 @@ async def wait(
         hub.unregister(caller.community_id, caller.pubkey, waiter)
 
 
-async def _until_woken(
-    caller: Caller, woken: asyncio.Future[UUID | None], timeout: float
-) -> UUID | None:
-    """The delivery a wake-up names, or None at the timeout (or after the listener
-    lost its session). With ``WORKFLOW_DELIVERY_NOTIFY`` off this process's producers
-    send no wake-ups, so the caller's pending deliveries are also looked for every
-    ``WORKFLOW_DELIVERY_API_WAIT_POLL_SECONDS``."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
-    poll = None if app_settings.NOTIFY is True else app_settings.API_WAIT_POLL_SECONDS
-    while (remaining := deadline - loop.time()) > 0:
-        # asyncio.wait, not wait_for: a slice that ends must not cancel the future.
-        done, _ = await asyncio.wait({woken}, timeout=min(remaining, poll or remaining))
-        if done:
-            return woken.result()
-        if poll is not None and (pending := await sync_to_async(_pending_delivery)(caller)):
-            return pending
+async def _until_woken(woken: asyncio.Future[UUID | None], timeout: float) -> UUID | None:
+    """The delivery a wake-up names (a notification's, or the one the process's poll
+    found: the safety poll, or with ``WORKFLOW_DELIVERY_NOTIFY`` off the poll every
+    ``WORKFLOW_DELIVERY_API_WAIT_POLL_SECONDS``), or None at the timeout (or after the
+    listener lost its session)."""
+    # asyncio.wait, not wait_for: the timeout must not cancel the future.
+    done, _ = await asyncio.wait({woken}, timeout=timeout)
+    if done:
+        return woken.result()
     return None

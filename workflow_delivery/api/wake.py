@@ -1,19 +1,23 @@
-"""Wake-ups for ``GET v1/wait``: one LISTEN connection per process, fanned out to
-every waiting request of that process.
+"""Wake-ups for ``GET v1/wait`` and waiting claims: one LISTEN connection per
+process, fanned out to every waiting request of that process.
 
 A waiter costs a future, not a connection: the listener thread holds the only
 connection that LISTENs (``wakeups.WakeListener``), and resolves the futures of the
 (community, target) a notification names, on each waiter's own event loop. After a
 lost and reopened session every waiter is sent to look again (a ``wait`` is answered
-empty, a waiting claim claims once more). Behind the notifications, a safety poll that
-costs one query however many wait: about every ``WORKFLOW_DELIVERY_API_WAIT_SWEEP_SECONDS``
-(jittered) the listener's thread looks for a claimable delivery of every waiting
-(community, target) at once and wakes those that have one, so a notification missed
-(sent by a process with wake-ups off, or consumed while its waiter was between looks)
-is found. Producers notify only targets registered as idle: the view
-registers its caller's (``services.register_idle``) once this hub listens, before its
-last look for a pending delivery. A wake is an accelerator only: the agent still claims
-through the ordinary path.
+empty, a waiting claim claims once more). Producers notify only targets registered as
+idle: the view registers its caller's (``services.register_idle``) once this hub
+listens, before its last look for a pending delivery. A wake is an accelerator only:
+the agent still claims through the ordinary path.
+
+Behind the notifications, a safety poll that costs one query however many wait: about
+every ``WORKFLOW_DELIVERY_API_WAIT_SWEEP_SECONDS`` (jittered) the listener's thread
+looks for a claimable delivery of every waiting (community, target) at once and wakes
+those that have one, so a notification missed (sent by a process with wake-ups off, or
+consumed while its waiter was between looks) is found. With wake-ups off there is
+nothing to listen for, and the same one query, made every
+``WORKFLOW_DELIVERY_API_WAIT_POLL_SECONDS`` by a thread of its own
+(``ensure_sweeping``), is how every waiter of the process polls.
 """
 
 from __future__ import annotations
@@ -77,6 +81,7 @@ class WakeHub:
         # has consumed since, while the listener's session has lasted (``registering``).
         self._registered: set[Key] = set()
         self._thread: threading.Thread | None = None
+        self._sweeper: threading.Thread | None = None
         self._listening = threading.Event()
         self._stop = threading.Event()
 
@@ -135,13 +140,27 @@ class WakeHub:
                 self._thread.start()
         return self._listening.wait(timeout)
 
+    def ensure_sweeping(self) -> None:
+        """With wake-ups off (nothing to listen for): start the thread that looks for
+        every waiter's claimable deliveries in one query every
+        ``WORKFLOW_DELIVERY_API_WAIT_POLL_SECONDS``, if it is not running. However
+        many wait, the process then polls once an interval, not once a waiter."""
+        with self._lock:
+            if self._sweeper is None or not self._sweeper.is_alive():
+                self._stop.clear()
+                self._sweeper = threading.Thread(
+                    target=self._sweep_run, name="workflow-delivery-wait-poll", daemon=True
+                )
+                self._sweeper.start()
+
     def stop(self, timeout: float = 5.0) -> None:
-        """Stop the listener and close its connection (tests; process shutdown)."""
+        """Stop the listener and the poll, and close their connections (tests; process
+        shutdown)."""
         self._stop.set()
-        thread = self._thread
-        if thread is not None:
-            thread.join(timeout)
-        self._thread = None
+        for thread in (self._thread, self._sweeper):
+            if thread is not None:
+                thread.join(timeout)
+        self._thread = self._sweeper = None
         self._listening.clear()
 
     def dispatch(self, hint: WakeNotice) -> int:
@@ -220,6 +239,13 @@ class WakeHub:
         finally:
             self._listening.clear()
             listener.close()
+            connections[self.using].close()
+
+    def _sweep_run(self) -> None:
+        try:
+            while not self._stop.wait(app_settings.API_WAIT_POLL_SECONDS):
+                self._sweep_safely()
+        finally:
             connections[self.using].close()
 
     def _sweep_safely(self) -> None:
