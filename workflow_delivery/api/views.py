@@ -396,6 +396,9 @@ class _WaitingClaim:
             )
 
         def work() -> Claimed | None:
+            # After a wake-up the request's Django part is over: the thread's session,
+            # idle meanwhile, is checked as a request's first statement's is.
+            check_connection()
             claimed = None if looked else claim()
             if claimed is not None or not listening:
                 return claimed
@@ -493,7 +496,11 @@ async def _until_claimed(request: HttpRequest, waiting: _WaitingClaim) -> HttpRe
                 await asyncio.wait({woken}, timeout=remaining)
                 if not woken.done():
                     continue
-            claimed = await sync_to_async(waiting.look)()
+            try:
+                claimed = await sync_to_async(waiting.look)()
+            except DatabaseError as exc:
+                # Past the view: answered here as its exception handler would.
+                return _database_unavailable(request, exc)
             if claimed is not None:
                 return _answer(request, _claimed(*claimed, claimed.message))
     finally:

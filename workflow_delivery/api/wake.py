@@ -239,22 +239,20 @@ class WakeHub:
         finally:
             self._listening.clear()
             listener.close()
-            connections[self.using].close()
 
     def _sweep_run(self) -> None:
-        try:
-            while not self._stop.wait(app_settings.API_WAIT_POLL_SECONDS):
-                self._sweep_safely()
-        finally:
-            connections[self.using].close()
+        while not self._stop.wait(app_settings.API_WAIT_POLL_SECONDS):
+            self._sweep_safely()
 
     def _sweep_safely(self) -> None:
-        """A sweep whose database error is logged, its session closed, and the next
-        sweep left to look again."""
+        """A sweep on a session of its own, closed after it (the process keeps no
+        session for a query made once in seconds); its database error is logged and
+        the next sweep left to look again."""
         try:
             self.sweep()
         except DatabaseError:
-            logger.warning("the waiters' safety poll failed; next one as planned", exc_info=True)
+            logger.warning("the waiters' poll failed; the next one as planned", exc_info=True)
+        finally:
             connections[self.using].close()
 
 
