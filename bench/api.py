@@ -23,6 +23,15 @@ every request). Then, per server, ``--wake-samples`` commit -> ``wait`` answers 
 one parked agent (and the same for an agent parked in a claim with ``wait``,
 commit -> lease in hand), and (uvicorn) the HTTP side again while ``--waiters`` other
 agents sit in ``wait``, against the HTTP side alone just before.
+
+``--capacity N[,N...]`` measures only the waiting capacity of one uvicorn worker: N
+agents parked in ``POST v1/claim`` with ``wait`` (a second process, raw HTTP/1.1 over
+asyncio streams, one keep-alive connection each), the ramp until all are parked, the
+server's memory per waiter and its CPU while they wait, commit -> lease for
+``--capacity-sends`` sends to single waiting agents, and the 503s:
+
+    .venv/bin/python bench/api.py --capacity 1000,5000,10000 --capacity-rate 150 \
+        --capacity-env ASGI_THREADS=8 --capacity-env WORKFLOW_DELIVERY_API_IN_FLIGHT_WAIT_SECONDS=30
 """
 
 from __future__ import annotations
@@ -384,6 +393,305 @@ def _wake_phase(url: str, tenant: common.Tenant, samples: int, *, claim: bool = 
     }
 
 
+# The waiting capacity of one server process (``--capacity``): a crowd of agents, each
+# parked in a waiting claim on a keep-alive connection of its own, sent by a second
+# process (``_crowd``) over raw HTTP/1.1 on asyncio streams, so ten thousand of them
+# cost the generator little and none of the server's CPU accounting.
+
+CAPACITY_WAIT = 60
+CAPACITY_BODY = json.dumps({"wait": CAPACITY_WAIT, "lease_seconds": LEASE_SECONDS}).encode()
+
+
+def raise_open_files_limit() -> int:
+    """This process's soft ``RLIMIT_NOFILE`` raised to its hard limit; the new soft limit."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard == resource.RLIM_INFINITY or soft < hard:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+        soft = hard
+    return soft
+
+
+async def _read_answer(reader) -> tuple[int, bytes]:
+    """One HTTP/1.1 answer's status and body (the server always sends a length)."""
+    head = await reader.readuntil(b"\r\n\r\n")
+    lines = head.split(b"\r\n")
+    status = int(lines[0].split(b" ", 2)[1])
+    length = 0
+    for line in lines[1:]:
+        name, _, value = line.partition(b":")
+        if name.strip().lower() == b"content-length":
+            length = int(value)
+    body = await reader.readexactly(length) if length else b""
+    return status, body
+
+
+def _crowd(
+    url: str, secrets: list[bytes], connects: int, rate: float, held, stop, answers, summary
+) -> None:
+    """The crowd's process: one connection per secret, the first claims sent at
+    ``rate`` a second, each sending a waiting claim again as soon as the last is
+    answered, until ``stop``. A 200 (a lease) is put on ``answers`` as (index,
+    monotonic time) at once; the counts of every status (during the ramp, and once
+    ``held`` is set), the failures and the open-files limit go to ``summary`` at the
+    end."""
+    import asyncio
+    from collections import Counter
+    from urllib.parse import urlsplit
+
+    from workflow_delivery.keys import SigningKey
+
+    limit = raise_open_files_limit()
+    parts = urlsplit(url)
+    claim_url = f"{url}/agents/v1/claim"
+    head = (
+        f"POST /agents/v1/claim HTTP/1.1\r\nHost: {parts.netloc}\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {len(CAPACITY_BODY)}\r\n"
+    ).encode()
+    keys = [SigningKey(secret) for secret in secrets]
+    statuses: Counter = Counter()
+    held_statuses: Counter = Counter()
+    failures: Counter = Counter()
+
+    async def park(index: int, gate: asyncio.Semaphore) -> None:
+        key = keys[index]
+        await asyncio.sleep(index / rate)
+        async with gate:
+            reader, writer = await asyncio.open_connection(parts.hostname, parts.port)
+        try:
+            while not stop.is_set():
+                authorization = key.sign_request(url=claim_url, method="POST", body=CAPACITY_BODY)
+                writer.write(head + f"Authorization: {authorization}\r\n\r\n".encode())
+                writer.write(CAPACITY_BODY)
+                status, _ = await _read_answer(reader)
+                (held_statuses if held.is_set() else statuses)[status] += 1
+                if status == 200:
+                    answers.put((index, time.monotonic()))
+                elif status != 204:
+                    # A refusal (503 too_many_waiters and the like): back off as told.
+                    await asyncio.sleep(1.0)
+        finally:
+            writer.close()
+
+    async def run() -> None:
+        gate = asyncio.Semaphore(connects)
+        tasks = [asyncio.create_task(park(index, gate)) for index in range(len(keys))]
+        while not stop.is_set():
+            await asyncio.sleep(0.2)
+            for task in tasks:
+                if task.done() and not task.cancelled() and task.exception() is not None:
+                    failures[repr(task.exception())[:80]] += 1
+            tasks = [task for task in tasks if not task.done()]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    asyncio.run(run())
+    summary.put(
+        {
+            "statuses": dict(statuses),
+            "held_statuses": dict(held_statuses),
+            "failures": dict(failures),
+            "nofile": limit,
+        }
+    )
+
+
+def _process_figures(pid: int) -> tuple[float, float]:
+    """A process's resident memory (MiB, ``VmRSS``) and CPU seconds so far."""
+    with open(f"/proc/{pid}/status") as status:
+        rss_kib = next(int(line.split()[1]) for line in status if line.startswith("VmRSS:"))
+    with open(f"/proc/{pid}/stat") as stat:
+        fields = stat.read().rsplit(")", 1)[1].split()
+    cpu = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return rss_kib / 1024, cpu
+
+
+def _open_files(pid: int) -> int:
+    return len(os.listdir(f"/proc/{pid}/fd"))
+
+
+def _capacity_phase(db, tenant: common.Tenant, waiters: int, options) -> dict:
+    """``waiters`` agents parked in ``POST v1/claim`` with ``wait`` on one uvicorn
+    worker: the ramp until every one is registered idle (parked), the server's memory
+    and CPU while they wait, then ``--capacity-sends`` commits to one waiting agent at
+    a time, each measured from before the commit to the lease in the agent's hand."""
+    import multiprocessing
+    import queue
+    import random
+
+    from workflow_delivery.keys import public_key_bytes as public_key
+    from workflow_delivery.models import IdleWakeTarget
+
+    secrets = [os.urandom(32) for _ in range(waiters)]
+    keys = [public_key(secret) for secret in secrets]
+    probe_secret = os.urandom(32)
+    probe_key = public_key(probe_secret)
+    with db.connect() as conn:
+        common.enroll(conn, tenant.community_id, [*keys, probe_key])
+        conn.execute("DELETE FROM workflow_agent_deliveries")
+        # A level before this one left its agents registered idle: parked counts anew.
+        conn.execute("DELETE FROM workflow_delivery_idle_wake_targets")
+    spawn = multiprocessing.get_context("spawn")
+    stop, held, answers, summary = spawn.Event(), spawn.Event(), spawn.Queue(), spawn.Queue()
+    started: list = []
+    env = {"WORKFLOW_DELIVERY_API_MAX_WAITERS": str(options.capacity_cap or waiters + 100)}
+    env |= dict(item.split("=", 1) for item in options.capacity_env)
+    with common.api_server(
+        common.database_url(db), server="uvicorn", workers=1, env=env, started=started
+    ) as url:
+        pid = started[0].pid
+        # Warm: the listener and a thread's connection opened by one short wait.
+        from workflow_delivery.client import AgentClient
+
+        with AgentClient(f"{url}/agents/", probe_secret, timeout=10) as probe:
+            probe.claim(wait=1)
+        time.sleep(0.5)
+        rss_before, cpu_before = _process_figures(pid)
+        idle = IdleWakeTarget.objects.filter(community_id=tenant.community_id).exclude(
+            target_pubkey=probe_key
+        )
+        crowd = spawn.Process(
+            target=_crowd,
+            args=(
+                url,
+                secrets,
+                options.capacity_connects,
+                options.capacity_rate,
+                held,
+                stop,
+                answers,
+                summary,
+            ),
+            daemon=True,
+        )
+        ramp_started = time.monotonic()
+        crowd.start()
+        parked = 0
+        try:
+            deadline = ramp_started + options.capacity_ramp
+            while (parked := idle.count()) < waiters and time.monotonic() < deadline:
+                if not crowd.is_alive():
+                    raise RuntimeError(f"the crowd's process ended ({crowd.exitcode})")
+                time.sleep(0.5)
+            ramp = time.monotonic() - ramp_started
+            print(f"  capacity {waiters}: {parked} parked after {ramp:.1f} s", flush=True)
+            held.set()
+            _, cpu_start = _process_figures(pid)
+            ramp_cpu_ms = (cpu_start - cpu_before) * 1000 / max(parked, 1)
+            hold_started = time.monotonic()
+            time.sleep(options.capacity_hold)
+            rss_held, cpu_held = _process_figures(pid)
+            held_cpu = (cpu_held - cpu_start) / (time.monotonic() - hold_started)
+            fds = _open_files(pid)
+            latencies: list[float] = []
+            commits: list[float] = []
+            missed = 0
+            chosen = random.sample(range(waiters), min(options.capacity_sends, waiters))
+            for index in chosen:
+                target = keys[index]
+                registered = idle.filter(target_pubkey=target)
+                deadline = time.monotonic() + 10
+                while not registered.exists() and time.monotonic() < deadline:
+                    time.sleep(0.005)
+                # Leases of earlier sends answered late are not this one's.
+                while True:
+                    try:
+                        answers.get_nowait()
+                    except queue.Empty:
+                        break
+                began = time.monotonic()
+                _commit_one(tenant, target)
+                commits.append(time.monotonic() - began)
+                try:
+                    while True:
+                        answered_index, answered = answers.get(timeout=10)
+                        if answered_index == index:
+                            latencies.append(answered - began)
+                            break
+                except queue.Empty:
+                    missed += 1
+                time.sleep(0.01)
+            rss_after, _ = _process_figures(pid)
+        finally:
+            stop.set()
+            crowd.join(30)
+            if crowd.is_alive():
+                crowd.terminate()
+    counts = summary.get(timeout=5) if not summary.empty() else {}
+    statuses = counts.get("statuses", {})
+    held_statuses = counts.get("held_statuses", {})
+    return {
+        "waiters": waiters,
+        "parked": parked,
+        "ramp_s": ramp,
+        "ramp_server_cpu_ms_per_waiter": ramp_cpu_ms,
+        "rss_before_mib": rss_before,
+        "rss_held_mib": rss_held,
+        "rss_after_mib": rss_after,
+        "kib_per_waiter": (rss_held - rss_before) * 1024 / max(parked, 1),
+        "server_cpu_while_held": held_cpu,
+        "server_fds": fds,
+        "sends": len(chosen),
+        "answered": len(latencies),
+        "missed": missed,
+        "p50_ms": common.percentile(latencies, 50) * 1000 if latencies else float("nan"),
+        "p99_ms": common.percentile(latencies, 99) * 1000 if latencies else float("nan"),
+        "max_ms": max(latencies) * 1000 if latencies else float("nan"),
+        # The producer's commit alone (its WAL flush), inside each latency above.
+        "commit_p50_ms": common.percentile(commits, 50) * 1000 if commits else float("nan"),
+        "commit_p99_ms": common.percentile(commits, 99) * 1000 if commits else float("nan"),
+        "ramp_statuses": statuses,
+        "held_statuses": held_statuses,
+        "ramp_503": statuses.get(503, 0),
+        "held_503": held_statuses.get(503, 0),
+        "failures": counts.get("failures", {}),
+        "client_nofile": counts.get("nofile"),
+    }
+
+
+def _capacity_line(figures: dict) -> str:
+    return (
+        f"| {figures['waiters']} | {figures['parked']} | {figures['ramp_s']:.1f} "
+        f"| {figures['ramp_server_cpu_ms_per_waiter']:.2f} "
+        f"| {figures['rss_before_mib']:.0f} | {figures['rss_held_mib']:.0f} "
+        f"| {figures['kib_per_waiter']:.1f} | {figures['server_cpu_while_held']:.2f} "
+        f"| {figures['answered']}/{figures['sends']} | {figures['p50_ms']:.1f} "
+        f"| {figures['p99_ms']:.1f} | {figures['max_ms']:.1f} "
+        f"| {figures['commit_p50_ms']:.1f} / {figures['commit_p99_ms']:.1f} "
+        f"| {figures['ramp_503']} / {figures['held_503']} "
+        f"| {sum(figures['failures'].values())} |"
+    )
+
+
+def _capacity(options) -> int:
+    """``--capacity``: each level in turn on a fresh server, and their table."""
+    results = []
+    with common.bench_database(options.db_prefix, quiet=True) as db:
+        with db.connect() as conn:
+            tenant = common.create_tenant(conn, "api")
+            rename = "UPDATE communities SET host = %s WHERE id = %s"
+            conn.execute(rename, [HOST, tenant.community_id])
+        for waiters in options.capacity:
+            results.append(_capacity_phase(db, tenant, waiters, options))
+            print(f"  {results[-1]}", flush=True)
+    print()
+    print(
+        "| waiters | parked | ramp s | server CPU ms per parked waiter "
+        "| RSS before MiB | RSS held MiB | KiB/waiter "
+        "| server CPU while held (cores) | sends answered | p50 ms | p99 ms | max ms "
+        "| the commit alone p50 / p99 ms "
+        "| 503s ramp / held | client failures |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for figures in results:
+        print(_capacity_line(figures))
+    if options.json is not None:
+        options.json.write_text(json.dumps({"capacity": results}, indent=2))
+    return 0
+
+
 def _arguments(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seconds", type=float, default=10.0, help="measured window per side")
@@ -427,6 +735,30 @@ def _arguments(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--auth-calls", type=int, default=2000, help="calls per auth figure")
     parser.add_argument("--db-prefix", default="buzz_bench", help="prefix of the scratch database")
     parser.add_argument("--json", type=Path, default=None, metavar="PATH")
+    parser.add_argument(
+        "--capacity",
+        type=lambda text: [int(part) for part in text.split(",")],
+        default=None,
+        metavar="N[,N...]",
+        help="measure only the waiting capacity: N agents parked in a waiting claim",
+    )
+    parser.add_argument("--capacity-sends", type=int, default=200, metavar="M")
+    parser.add_argument("--capacity-hold", type=float, default=10.0, metavar="SECONDS")
+    parser.add_argument("--capacity-ramp", type=float, default=120.0, metavar="SECONDS")
+    parser.add_argument("--capacity-connects", type=int, default=256, metavar="N")
+    parser.add_argument(
+        "--capacity-rate", type=float, default=1000.0, help="first claims sent a second"
+    )
+    parser.add_argument(
+        "--capacity-env",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="the server's environment (e.g. ASGI_THREADS=8)",
+    )
+    parser.add_argument(
+        "--capacity-cap", type=int, default=0, help="the server's API_MAX_WAITERS (0: N + 100)"
+    )
     options = parser.parse_args(argv)
     if options.agents < 1 or options.server_workers < 1 or options.rows < 1:
         parser.error("--agents, --server-workers and --rows must be positive")
@@ -446,6 +778,8 @@ def _row(side: dict) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     options = _arguments(argv)
+    if options.capacity:
+        return _capacity(options)
     servers = list(common.SERVERS) if options.server == "both" else [options.server]
     secrets = [os.urandom(32) for _ in range(options.agents)]
     waiter_secrets = [os.urandom(32) for _ in range(options.waiters)]

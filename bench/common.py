@@ -441,6 +441,7 @@ def api_server(
     workers: int = 1,
     env: dict[str, str] | None = None,
     output: IO[bytes] | None = None,
+    started: list[subprocess.Popen] | None = None,
 ) -> Iterator[str]:
     """The demo project under ``server`` over database ``url`` on a free loopback
     port (both servers inherit the socket bound here, TCP_NODELAY set); yields
@@ -448,7 +449,8 @@ def api_server(
     gunicorn each worker thread keeps its connection (``conn_max_age``); under uvicorn
     the project's ``asgi.py`` runs each request's sync code on one of a few long-lived
     threads, which keep theirs. ``output``: a file for the server's output (this
-    process's own by default)."""
+    process's own by default); ``started``: a list the server's process is appended to
+    (its pid, for its memory and CPU)."""
     listener = _listening_socket()
     port = listener.getsockname()[1]
     if server == "gunicorn":
@@ -474,6 +476,8 @@ def api_server(
         stderr=None if output is None else subprocess.STDOUT,
     )
     listener.close()
+    if started is not None:
+        started.append(process)
     try:
         deadline = time.monotonic() + 30
         while not _answers(port):

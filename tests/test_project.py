@@ -175,6 +175,7 @@ def test_no_model_change_lacks_a_migration(db):
         ("WORKFLOW_DELIVERY_PRUNE_YIELD_RATIO", 101, "workflow_delivery.E005"),
         ("WORKFLOW_DELIVERY_API_WAIT_POLL_SECONDS", 0, "workflow_delivery.E010"),
         ("WORKFLOW_DELIVERY_API_WAIT_POLL_SECONDS", float("inf"), "workflow_delivery.E010"),
+        ("WORKFLOW_DELIVERY_API_WAIT_SWEEP_SECONDS", -1.0, "workflow_delivery.E010"),
     ],
 )
 def test_settings_checks_report_a_bad_cap_retention_or_prune_batch(setting, value, expected):
@@ -185,7 +186,8 @@ def test_settings_checks_report_a_bad_cap_retention_or_prune_batch(setting, valu
         name = setting.removeprefix("WORKFLOW_DELIVERY_")
         assert errors[0].msg == checks.E005_MSG.format(name=name, value=value)
     if expected == "workflow_delivery.E010":
-        assert errors[0].msg == checks.E010_MSG.format(value=value)
+        name = setting.removeprefix("WORKFLOW_DELIVERY_")
+        assert errors[0].msg == checks.E010_MSG.format(name=name, value=value)
 
 
 @override_settings(WORKFLOW_DELIVERY_MAX_ATTEMPTS=None, WORKFLOW_DELIVERY_RETENTION="0s")

@@ -31,9 +31,7 @@ E003_MSG = (
 E004_MSG = (
     "WORKFLOW_DELIVERY_REAP_INTERVAL_SECONDS must be a positive finite number, got {value!r}."
 )
-E010_MSG = (
-    "WORKFLOW_DELIVERY_API_WAIT_POLL_SECONDS must be a positive finite number, got {value!r}."
-)
+E010_MSG = "WORKFLOW_DELIVERY_{name} must be a positive finite number, got {value!r}."
 E005_MSG = "WORKFLOW_DELIVERY_{name} must be a number from 0 to 100, got {value!r}."
 E006_MSG = (
     "WORKFLOW_DELIVERY_MAX_LEASE_SECONDS ({value}) exceeds {bound} (10 years), the longest "
@@ -139,9 +137,11 @@ def check_settings(app_configs: Any = None, **kwargs: Any) -> list:
     interval = app_settings.REAP_INTERVAL_SECONDS
     if not (is_number(interval) and interval > 0):
         errors.append(checks.Error(E004_MSG.format(value=interval), id="workflow_delivery.E004"))
-    poll = app_settings.API_WAIT_POLL_SECONDS
-    if not (is_number(poll) and poll > 0):
-        errors.append(checks.Error(E010_MSG.format(value=poll), id="workflow_delivery.E010"))
+    for name in ("API_WAIT_POLL_SECONDS", "API_WAIT_SWEEP_SECONDS"):
+        seconds = getattr(app_settings, name)
+        if not (is_number(seconds) and seconds > 0):
+            message = E010_MSG.format(name=name, value=seconds)
+            errors.append(checks.Error(message, id="workflow_delivery.E010"))
     for name in ("REAP_YIELD_RATIO", "PRUNE_YIELD_RATIO"):
         ratio = getattr(app_settings, name)
         if not is_yield_ratio(ratio):

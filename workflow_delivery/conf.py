@@ -28,15 +28,23 @@ DEFAULTS: dict[str, Any] = {
     "API_MAX_CLOCK_SKEW_SECONDS": 60,
     "API_MAX_BODY_BYTES": 65536,
     "API_MAX_WAIT_SECONDS": 60,
-    "API_MAX_WAITERS": 1000,
+    # Waits and waiting claims one process holds; more are answered 503. From
+    # bench/api.py --capacity: one uvicorn worker held 10,000, its wake-ups prompt
+    # up to 5,000 on a loaded 2-core machine (each waiter asks again once a minute).
+    "API_MAX_WAITERS": 5000,
     # The agent API's synchronous requests one community may have in flight in a
     # process served by api.asgi's handler; None: one less than its threads (at least 1).
     "API_MAX_IN_FLIGHT_PER_COMMUNITY": None,
     # How long a request over that bound waits (on the event loop) before its 503.
     "API_IN_FLIGHT_WAIT_SECONDS": 5.0,
     "API_REPLAY_PRUNE_INTERVAL_SECONDS": 60.0,
-    # With NOTIFY off, a ``wait`` looks for the caller's pending deliveries this often.
+    # With NOTIFY off, a process looks for every waiter's claimable deliveries (one
+    # query for all of them) this often.
     "API_WAIT_POLL_SECONDS": 2.0,
+    # With NOTIFY on, the safety poll behind the wake-ups: the process's wake listener
+    # looks for every waiter's claimable deliveries in one query about this often
+    # (jittered by a quarter either way), so a notification missed is found.
+    "API_WAIT_SWEEP_SECONDS": 15.0,
     # Wake-ups (wakeups.py): a consumer with nothing to claim registers its targets as
     # idle, and a producer's insert notifies only those, once each, consuming the
     # registration; with busy or absent consumers it sends none. From the insert

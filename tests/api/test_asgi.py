@@ -28,8 +28,9 @@ from tests.api.helpers import enrolled_secret
 from workflow_delivery.api import nip98
 from workflow_delivery.api.asgi import POOLED_THREADS, PooledThreadsHandler
 from workflow_delivery.client import AgentClient
-from workflow_delivery.models import AgentRequestReplay
+from workflow_delivery.models import AgentRequestReplay, IdleWakeTarget
 from workflow_delivery.protocol import LeaseLost, Outcome, Settled
+from workflow_delivery.services import commit_deliveries
 
 pytestmark = [
     pytest.mark.django_db(transaction=True),
@@ -316,3 +317,38 @@ def test_a_request_goes_to_the_least_busy_thread_and_between_equals_not_the_olde
     assert handler._pick_thread() == 0
     handler._in_flight[2] = []
     assert handler._pick_thread() == 2
+
+
+def test_a_parked_claim_woken_after_its_thread_s_session_ended_claims_on_a_new_one(server):
+    """The claim after a wake-up runs once the request's Django part is over: the
+    thread's session, ended while the claim was parked, is replaced before the claim
+    uses it, as before a request's first statement."""
+    owner = factories.community("localhost")
+    key = enrolled_secret(owner)
+    result: dict = {}
+
+    def wait_for_it() -> None:
+        with AgentClient(base_url(server), key, timeout=30) as agent:
+            result["claimed"] = agent.claim(wait=20, lease_seconds=30)
+
+    waiting = threading.Thread(target=wait_for_it, daemon=True)
+    waiting.start()
+    idle = IdleWakeTarget.objects.filter(community_id=owner.id, target_pubkey=pubkey(key))
+    deadline = time.monotonic() + 15
+    while not idle.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert idle.exists()
+    ((pid, _state),) = server_sessions()
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT pg_terminate_backend(%s)", [pid])
+    deadline = time.monotonic() + 5
+    while server_sessions() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    step = factories.Step(owner=owner, targets=[pubkey(key)])
+    (delivery,) = step.new_deliveries()
+    commit_deliveries(owner.id, step.created_at, [delivery])
+    waiting.join(30)
+    _lease, record = result["claimed"]
+    assert record.id == delivery.id
+    ((replacement, _state),) = server_sessions()
+    assert replacement != pid

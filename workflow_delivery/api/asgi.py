@@ -35,6 +35,11 @@ threads, at least one); a request over it waits on the event loop, not on a thre
 for one of them to finish, at most ``WORKFLOW_DELIVERY_API_IN_FLIGHT_WAIT_SECONDS``,
 and is then answered 503 (``community_busy``, with ``Retry-After``).
 
+A synchronous view may answer ``Parked``: its synchronous work done in that one call,
+the rest of its answer is awaited on the event loop, holding no thread and no
+in-flight slot (the agent API's waiting claim parks so: a parked request costs a
+future and a connection's buffers, not a thread hop per look).
+
 A body is read only up to its limit: ``WORKFLOW_DELIVERY_API_MAX_BODY_BYTES`` on the
 agent API's paths, ``max_body_bytes`` on every other (by default Django's
 ``DATA_UPLOAD_MAX_MEMORY_SIZE``; ``None``: no limit, for a project that takes large
@@ -50,8 +55,8 @@ import json
 import tempfile
 import threading
 import time
+from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import asynccontextmanager
 from contextvars import ContextVar
 
 import django
@@ -74,34 +79,32 @@ _API_URL_NAMES = frozenset({"workflow_delivery_api_docs"})
 
 # The body limit of the request being read (None: none), for Django's own path.
 _BODY_LIMIT: ContextVar[int | None] = ContextVar("workflow_delivery_body_limit", default=None)
-# The handler serving the request, for an asynchronous view's synchronous piece to take
-# one of its community's in-flight slots (``community_slot``).
-_HANDLER: ContextVar[tuple[PooledThreadsHandler, str] | None] = ContextVar(
-    "workflow_delivery_asgi_handler", default=None
+# The event loop that resumes a parked answer (``Parked``) of the request being served
+# in one call; None where no one would (Django's own path, WSGI, the test client).
+_PARKING: ContextVar[asyncio.AbstractEventLoop | None] = ContextVar(
+    "workflow_delivery_parking", default=None
 )
 
 
-class CommunityBusy(Exception):
-    """None of the community's in-flight slots freed in time."""
+class Parked(HttpResponse):
+    """A synchronous view's answer still to come: the view has done its synchronous
+    work (the middleware, authentication, admission and its first look ran once, on
+    the request's thread) and the rest, ``resume()``, is awaited on the event loop
+    without a thread, its answer sent in this one's place. The headers the middleware
+    gave this placeholder are carried onto that answer (those it sets itself win).
+    Only a view served in one call by ``PooledThreadsHandler`` may return one
+    (``parking_loop()`` is then the loop that resumes it); its community's in-flight
+    slot is given back while it waits."""
+
+    def __init__(self, resume: Callable[[], Awaitable[HttpResponseBase]]) -> None:
+        super().__init__(status=204)
+        self.resume = resume
 
 
-@asynccontextmanager
-async def community_slot():
-    """One of the request's community's in-flight slots, held while an asynchronous view runs a
-    synchronous piece on a thread (its claim without a wait), so that piece counts
-    against the community's bound as a synchronous view does. ``CommunityBusy`` when
-    none frees in time; outside this app's handler, nothing is bounded."""
-    serving = _HANDLER.get()
-    if serving is None:
-        yield
-        return
-    handler, host = serving
-    if not await handler._enter(host):
-        raise CommunityBusy(host)
-    try:
-        yield
-    finally:
-        handler._leave(host)
+def parking_loop() -> asyncio.AbstractEventLoop | None:
+    """The event loop that would resume a ``Parked`` answer of the request being
+    served, or None when nothing would (the view must then finish its work itself)."""
+    return _PARKING.get()
 
 
 _UNSET = object()
@@ -201,23 +204,27 @@ class PooledThreadsHandler(ASGIHandler):
         else:
             context = ThreadSensitiveContext()
         token = _BODY_LIMIT.set(limit)
-        # An asynchronous agent API view takes a slot for its synchronous piece itself.
-        waiting_host = _host(scope) if api and not synchronous else None
-        handler_token = _HANDLER.set(None if waiting_host is None else (self, waiting_host))
+        held = [host]
+
+        def give_back() -> None:
+            # The community's slot and the thread's count, once: when the request
+            # ends, or as soon as its answer is parked.
+            if held:
+                self._in_flight[index].remove(began)
+                if held.pop() is not None:
+                    self._leave(host)
+
         try:
             async with context:
                 if synchronous:
-                    await self._handle_in_one_call(scope, receive, send)
+                    await self._handle_in_one_call(scope, receive, send, give_back)
                 else:
                     await self.handle(scope, receive, send)
         except _BodyTooLarge as exc:
             await self._refuse_body(send, exc.limit)
         finally:
             _BODY_LIMIT.reset(token)
-            _HANDLER.reset(handler_token)
-            self._in_flight[index].remove(began)
-            if host is not None:
-                self._leave(host)
+            give_back()
 
     def _pick_thread(self) -> int:
         """The thread with the fewest requests in flight; between equals, the one whose
@@ -335,19 +342,41 @@ class PooledThreadsHandler(ASGIHandler):
         body_file.seek(0)
         return body_file
 
-    async def _handle_in_one_call(self, scope, receive, send) -> None:
+    async def _handle_in_one_call(self, scope, receive, send, give_back) -> None:
         try:
             body_file = await self.read_body(receive)
         except RequestAborted:
             return
         set_script_prefix(get_script_prefix(scope))
+        parking = _PARKING.set(asyncio.get_running_loop())
         try:
-            response = await sync_to_async(self._respond)(scope, body_file)
+            try:
+                response = await sync_to_async(self._respond)(scope, body_file)
+            finally:
+                _PARKING.reset(parking)
+            if isinstance(response, Parked):
+                give_back()
+                response = await self._resumed(response)
             await self.send_response(response, send)
             if response.streaming:
                 await sync_to_async(response.close)()
         finally:
             body_file.close()
+
+    async def _resumed(self, parked: Parked) -> HttpResponseBase:
+        """A parked answer's own, with the headers the middleware gave the placeholder.
+        Django's part of the request ended with the placeholder (it was closed, and
+        ``request_finished`` sent, on the request's thread)."""
+        response = await parked.resume()
+        for name, value in parked.items():
+            if name.lower() not in ("content-type", "content-length") and name not in response:
+                response[name] = value
+        if not response.streaming and not response.has_header("Content-Length"):
+            response["Content-Length"] = str(len(response.content))
+        for cookie in parked.cookies.values():
+            if cookie.key not in response.cookies:
+                response.cookies[cookie.key] = cookie
+        return response
 
     def _respond(self, scope, body_file) -> HttpResponseBase:
         """What Django's path does on the request's thread, in one call."""
@@ -367,9 +396,30 @@ class PooledThreadsHandler(ASGIHandler):
 def get_asgi_application(
     threads: int = 4, max_body_bytes: int | object | None = _UNSET
 ) -> PooledThreadsHandler:
-    """Django's ``get_asgi_application()`` with a ``PooledThreadsHandler``."""
+    """Django's ``get_asgi_application()`` with a ``PooledThreadsHandler``, in a
+    process whose open-files limit is raised as far as it may be
+    (``raise_open_files_limit``): each waiting request holds a socket."""
     django.setup(set_prefix=False)
+    raise_open_files_limit()
     return PooledThreadsHandler(threads, max_body_bytes)
+
+
+def raise_open_files_limit() -> int:
+    """This process's soft ``RLIMIT_NOFILE`` raised to its hard limit (which only the
+    system's configuration can raise: ``ulimit -Hn``, systemd's ``LimitNOFILE``);
+    returns the soft limit now in force, or -1 where there is no such limit."""
+    try:
+        import resource
+    except ImportError:  # not a POSIX system
+        return -1
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != hard and (soft < hard or hard == resource.RLIM_INFINITY):
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+        except (ValueError, OSError):
+            return soft
+        return hard
+    return soft
 
 
 def _host(scope) -> str:

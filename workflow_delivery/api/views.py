@@ -9,13 +9,14 @@ stable code. The OpenAPI 3 document is derived from these views by django-ninja.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from functools import wraps
 from uuid import UUID
 
-from asgiref.sync import sync_to_async
+from asgiref.sync import async_to_sync, sync_to_async
 from django.db import DEFAULT_DB_ALIAS, transaction
 from django.db import Error as DatabaseError
 from django.http import Http404, HttpRequest, HttpResponse
@@ -52,10 +53,10 @@ from ..store.errors import is_connection_lost
 from ..store.run import one_transaction
 from ..validation import AGENT_TURN_TEXT_MAX_BYTES
 from . import schema
-from .asgi import CommunityBusy, community_slot
+from .asgi import Parked, on_pooled_thread, parking_loop
 from .auth import ApiError, NostrAuth, Signed, request_event
 from .connection import check_connection, release_connection, wait_gate
-from .wake import hub
+from .wake import Waiter, hub
 
 
 class _DocumentedOnce(NinjaAPI):
@@ -304,7 +305,7 @@ def served_alone(run: Callable[..., HttpResponse]) -> Callable[..., HttpResponse
     response={200: schema.ClaimOut, 204: None, **ERRORS, 503: schema.ErrorOut},
     summary="Claim the caller's oldest pending delivery (or the one named), waiting if asked",
 )
-async def claim(request: HttpRequest, payload: schema.ClaimIn | None = None):
+def claim(request: HttpRequest, payload: schema.ClaimIn | None = None):
     signed = _signed(request)
     payload = payload or schema.ClaimIn()
     if payload.wait and (payload.delivery_id is not None or payload.expected is not None):
@@ -312,17 +313,8 @@ async def claim(request: HttpRequest, payload: schema.ClaimIn | None = None):
             400, "invalid_request", "wait: only a claim of any delivery may wait", "wait"
         )
     if payload.wait:
-        return await _claim_waiting(request, signed, payload)
-    try:
-        async with community_slot():
-            return await sync_to_async(_claim_now)(request, signed, payload)
-    except CommunityBusy:
-        raise ApiError(
-            503,
-            "community_busy",
-            "too many requests of this community are in flight; try again shortly",
-            retry_after=1,
-        ) from None
+        return _claim_waiting(request, signed, payload)
+    return _claim_now(request, signed, payload)
 
 
 def _claim_now(
@@ -347,7 +339,11 @@ def _claim_now(
 
 def _gated(work: Callable[[], object]) -> object:
     """A waiting request's database work: through the wait gate, and the connection
-    released after it, so the wait itself holds none."""
+    released after it, so the wait itself holds none. On a thread of
+    ``api.asgi.PooledThreadsHandler`` the thread's own connection serves it, and those
+    threads already bound how many are in use: no gate there."""
+    if on_pooled_thread():
+        return work()
     with wait_gate:
         try:
             return work()
@@ -364,56 +360,157 @@ def _first_claim(signed: Signed, lease_seconds: int | None) -> tuple[UUID, Claim
     return community_id, claimed
 
 
-def _claim_registered(community_id: UUID, pubkey: bytes, lease_seconds: int | None):
-    """Once the waiter is registered (and, with wake-ups on, the listener LISTENs): a
-    claim; finding nothing while listening, the caller's target is registered as idle
-    and claimed for once more, so a commit lands either before that claim or after the
-    registration, which makes its producer notify."""
-    listening = app_settings.NOTIFY is True and hub.ensure_listening()
+@dataclass(slots=True)
+class _WaitingClaim:
+    """A waiting claim past its admission: who waits, until when, and its waiter."""
 
-    def work() -> Claimed | None:
-        claimed = services.claim_enrolled(community_id, pubkey, lease_seconds=lease_seconds)
-        session = hub.session
-        if claimed is None and listening and session is not None:
-            # The hub's session, not this request's: the request's connection is
-            # released while it waits, the hub's listens for the wake-up.
-            services.register_idle(community_id, [pubkey], session=session)
-            claimed = services.claim_enrolled(community_id, pubkey, lease_seconds=lease_seconds)
-        return claimed
+    community_id: UUID
+    pubkey: bytes
+    lease_seconds: int | None
+    deadline: float
+    loop: asyncio.AbstractEventLoop
+    waiter: Waiter | None = None
 
-    return _gated(work)
+    def look(self, *, looked: bool = False) -> Claimed | None:
+        """A claim once this waiter is registered (a new one when it has none or it
+        was woken), on the request's thread. Finding nothing while the process
+        listens, the caller's target is registered as idle and claimed for once more,
+        so a commit lands either before that claim or after the registration, which
+        makes its producer notify; when this process registered it already and no
+        notification has consumed it since (``WakeHub.registered``, asked once the
+        waiter is registered), it stands and nothing more is asked. ``looked``: a
+        claim was made just before (the admission's), so the first one here is left
+        out."""
+        if self.waiter is None or self.waiter.future.done():
+            self.forget()
+            self.waiter = hub.register(self.community_id, self.pubkey, loop=self.loop)
+        listening = app_settings.NOTIFY is True and hub.ensure_listening()
+        if not listening:
+            hub.ensure_sweeping()
+        if looked and (not listening or hub.registered(self.community_id, self.pubkey)):
+            return None
+
+        def claim() -> Claimed | None:
+            return services.claim_enrolled(
+                self.community_id, self.pubkey, lease_seconds=self.lease_seconds
+            )
+
+        def work() -> Claimed | None:
+            # After a wake-up the request's Django part is over: the thread's session,
+            # idle meanwhile, is checked as a request's first statement's is.
+            check_connection()
+            claimed = None if looked else claim()
+            if claimed is not None or not listening:
+                return claimed
+            session = hub.session
+            if session is None or hub.registered(self.community_id, self.pubkey):
+                # No listening session to name yet: the hub wakes every waiter once it
+                # has one, so nothing is registered meanwhile.
+                return None
+            hub.registering(self.community_id, self.pubkey)
+            try:
+                # The hub's session, not this request's: the request's connection is
+                # released while it waits, the hub's listens for the wake-up.
+                services.register_idle(self.community_id, [self.pubkey], session=session)
+            except BaseException:
+                hub.forget_registration(self.community_id, self.pubkey)
+                raise
+            return claim()
+
+        claimed = _gated(work)
+        if claimed is not None:
+            self.forget()
+        return claimed  # type: ignore[return-value]
+
+    def forget(self) -> None:
+        if self.waiter is not None:
+            hub.unregister(self.community_id, self.pubkey, self.waiter)
+            self.waiter = None
 
 
-async def _claim_waiting(
-    request: HttpRequest, signed: Signed, payload: schema.ClaimIn
-) -> HttpResponse:
+def _claim_waiting(request: HttpRequest, signed: Signed, payload: schema.ClaimIn) -> HttpResponse:
     """Claim now, or as soon as a delivery is claimable for the caller within
     ``payload.wait`` seconds: woken by the producers' notifications as ``wait`` is
-    (and, with wake-ups off, polling every ``WORKFLOW_DELIVERY_API_WAIT_POLL_SECONDS``),
-    each wake-up followed by a claim that only an enabled agent's key can make."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + min(payload.wait, app_settings.API_MAX_WAIT_SECONDS)
+    (and, with wake-ups off, by the process's poll of every waiter at once, every
+    ``WORKFLOW_DELIVERY_API_WAIT_POLL_SECONDS``),
+    each wake-up followed by a claim that only an enabled agent's key can make.
+
+    The admission, the first claim, the waiter's registration and the look after it
+    run here, on the request's thread, in the one call that ran the middleware; the
+    wait itself is ``Parked`` on the event loop (``api.asgi``), which takes the
+    thread again only for the claim after a wake-up. Where no handler would resume a
+    parked answer (Django's own path, WSGI), the wait runs here to its end."""
     seconds = payload.lease_seconds
-    community_id, claimed = await sync_to_async(_first_claim)(signed, seconds)
+    community_id, claimed = _first_claim(signed, seconds)
     if claimed is not None:
         return _answer(request, _claimed(*claimed, claimed.message))
     if hub.waiting >= app_settings.API_MAX_WAITERS:
         return error(request, 503, "too_many_waiters", "this server has enough waiters; poll")
-    poll = None if app_settings.NOTIFY is True else app_settings.API_WAIT_POLL_SECONDS
-    while (remaining := deadline - loop.time()) > 0:
-        waiter = hub.register(community_id, signed.pubkey)
-        try:
-            claimed = await sync_to_async(_claim_registered)(community_id, signed.pubkey, seconds)
+    loop = parking_loop()
+    if loop is None:
+        return async_to_sync(_wait_inline)(request, community_id, signed.pubkey, payload)
+    waiting = _WaitingClaim(
+        community_id,
+        signed.pubkey,
+        seconds,
+        deadline=time.monotonic() + min(payload.wait, app_settings.API_MAX_WAIT_SECONDS),
+        loop=loop,
+    )
+    try:
+        claimed = waiting.look(looked=True)
+    except BaseException:
+        waiting.forget()
+        raise
+    if claimed is not None:
+        return _answer(request, _claimed(*claimed, claimed.message))
+    return Parked(lambda: _until_claimed(request, waiting))
+
+
+async def _wait_inline(
+    request: HttpRequest, community_id: UUID, pubkey: bytes, payload: schema.ClaimIn
+) -> HttpResponse:
+    """The waiting claim where nothing resumes a parked answer: its look after the
+    registration and its wait, on an event loop of asgiref's."""
+    waiting = _WaitingClaim(
+        community_id,
+        pubkey,
+        payload.lease_seconds,
+        deadline=time.monotonic() + min(payload.wait, app_settings.API_MAX_WAIT_SECONDS),
+        loop=asyncio.get_running_loop(),
+    )
+    try:
+        claimed = await sync_to_async(waiting.look)(looked=True)
+    except BaseException:
+        waiting.forget()
+        raise
+    if claimed is not None:
+        return _answer(request, _claimed(*claimed, claimed.message))
+    return await _until_claimed(request, waiting)
+
+
+async def _until_claimed(request: HttpRequest, waiting: _WaitingClaim) -> HttpResponse:
+    """The parked waiting claim: a look after each wake-up (a notification, the safety
+    poll, or with wake-ups off the process's poll, ``WakeHub.ensure_sweeping``) until
+    one claims, or 204 at its deadline. Between looks it holds only its waiter's
+    future."""
+    try:
+        while (remaining := waiting.deadline - time.monotonic()) > 0:
+            woken = waiting.waiter.future if waiting.waiter is not None else None
+            if woken is not None:
+                # asyncio.wait, not wait_for: the deadline must not cancel it.
+                await asyncio.wait({woken}, timeout=remaining)
+                if not woken.done():
+                    continue
+            try:
+                claimed = await sync_to_async(waiting.look)()
+            except DatabaseError as exc:
+                # Past the view: answered here as its exception handler would.
+                return _database_unavailable(request, exc)
             if claimed is not None:
                 return _answer(request, _claimed(*claimed, claimed.message))
-            remaining = deadline - loop.time()
-            if remaining <= 0:
-                break
-            # asyncio.wait, not wait_for: a slice that ends must not cancel the future.
-            await asyncio.wait({waiter.future}, timeout=min(remaining, poll or remaining))
-        finally:
-            hub.unregister(community_id, signed.pubkey, waiter)
-    return Status(204, None)
+    finally:
+        waiting.forget()
+    return HttpResponse(status=204)
 
 
 @api.post(
@@ -677,8 +774,11 @@ def _prepare_wait(caller: Caller) -> UUID | None:
     Finding none while listening, the caller's target is registered as idle
     (``services.register_idle``) and looked at once more, so a commit lands either
     before that look or after the registration, which makes its producer notify.
-    With wake-ups off nothing is sent to listen for; the wait polls instead."""
+    With wake-ups off nothing is sent to listen for; the process's poll of every
+    waiter at once (``WakeHub.ensure_sweeping``) looks instead."""
     listening = app_settings.NOTIFY is True and hub.ensure_listening()
+    if not listening:
+        hub.ensure_sweeping()
     pending = _pending_delivery(caller)
     if pending is None and listening:
         pending = _pending_delivery(caller, register_idle=True)
@@ -741,7 +841,7 @@ async def wait(
         pending = await sync_to_async(_prepare_wait)(caller)
         if pending is not None:
             return _wake(caller, pending)
-        delivery_id = await _until_woken(caller, waiter.future, timeout)
+        delivery_id = await _until_woken(waiter.future, timeout)
         if delivery_id is None:
             return Status(204, None)
         return _wake(caller, delivery_id)
@@ -749,21 +849,13 @@ async def wait(
         hub.unregister(caller.community_id, caller.pubkey, waiter)
 
 
-async def _until_woken(
-    caller: Caller, woken: asyncio.Future[UUID | None], timeout: float
-) -> UUID | None:
-    """The delivery a wake-up names, or None at the timeout (or after the listener
-    lost its session). With ``WORKFLOW_DELIVERY_NOTIFY`` off this process's producers
-    send no wake-ups, so the caller's pending deliveries are also looked for every
-    ``WORKFLOW_DELIVERY_API_WAIT_POLL_SECONDS``."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
-    poll = None if app_settings.NOTIFY is True else app_settings.API_WAIT_POLL_SECONDS
-    while (remaining := deadline - loop.time()) > 0:
-        # asyncio.wait, not wait_for: a slice that ends must not cancel the future.
-        done, _ = await asyncio.wait({woken}, timeout=min(remaining, poll or remaining))
-        if done:
-            return woken.result()
-        if poll is not None and (pending := await sync_to_async(_pending_delivery)(caller)):
-            return pending
+async def _until_woken(woken: asyncio.Future[UUID | None], timeout: float) -> UUID | None:
+    """The delivery a wake-up names (a notification's, or the one the process's poll
+    found: the safety poll, or with ``WORKFLOW_DELIVERY_NOTIFY`` off the poll every
+    ``WORKFLOW_DELIVERY_API_WAIT_POLL_SECONDS``), or None at the timeout (or after the
+    listener lost its session)."""
+    # asyncio.wait, not wait_for: the timeout must not cancel the future.
+    done, _ = await asyncio.wait({woken}, timeout=timeout)
+    if done:
+        return woken.result()
     return None
