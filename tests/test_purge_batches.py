@@ -10,7 +10,7 @@ import pytest
 from tests import factories
 from tests.locks import key_of
 from tests.second_session import other
-from workflow_delivery import fence
+from workflow_delivery import services
 from workflow_delivery.exceptions import ProtocolError
 from workflow_delivery.store import statements
 
@@ -53,7 +53,7 @@ def test_between_batches_the_lock_is_free_and_the_deletions_committed():
             left = rows_left(session, community_id)
             seen.append((taken, sum(left.values()), sum(totals.values())))
 
-        deleted = fence.purge_community(community_id, generation, batch_size=4, progress=between)
+        deleted = services.purge_community(community_id, generation, batch_size=4, progress=between)
         assert rows_left(session, community_id) == dict.fromkeys(TABLES, 0)
     total = sum(before.values())
     assert deleted == before and total > 8
@@ -77,12 +77,12 @@ def test_a_purge_interrupted_midway_keeps_its_batches_and_resumes():
     with other() as session:
         before = rows_left(session, community_id)
         with pytest.raises(Interrupted) as caught:
-            fence.purge_community(community_id, generation, batch_size=5, progress=stop)
+            services.purge_community(community_id, generation, batch_size=5, progress=stop)
         (first,) = caught.value.args
         assert sum(first.values()) == 5
         left = rows_left(session, community_id)
         assert {table: before[table] - left[table] for table in TABLES} == first
-        rest = fence.purge_community(community_id, generation, batch_size=5)
+        rest = services.purge_community(community_id, generation, batch_size=5)
         assert rows_left(session, community_id) == dict.fromkeys(TABLES, 0)
     assert {table: first[table] + rest[table] for table in TABLES} == before
 
@@ -91,4 +91,4 @@ def test_a_purge_interrupted_midway_keeps_its_batches_and_resumes():
 def test_a_batch_size_that_is_not_a_positive_whole_number_is_refused(size):
     community_id, generation = fenced_community(steps=1, targets=1)
     with pytest.raises(ProtocolError, match="batch_size"):
-        fence.purge_community(community_id, generation, batch_size=size)
+        services.purge_community(community_id, generation, batch_size=size)

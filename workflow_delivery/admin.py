@@ -40,7 +40,7 @@ from django.utils.dateformat import format as date_format
 from django.utils.html import format_html, format_html_join
 from django.utils.safestring import SafeString
 
-from . import admin_target, communities, fence, metrics, overview, roster, services
+from . import admin_target, communities, metrics, overview, services
 from .exceptions import (
     AgentNotEnrolled,
     CommunityNotFound,
@@ -351,7 +351,7 @@ class CommunityAdmin(ReadOnlyAdmin):
             try:
                 # The state this page read, checked under the executor's lock: a row
                 # moved on (or back) meanwhile is skipped, never moved from elsewhere.
-                fence.transition_community(community.pk, target, expected=source)
+                services.transition_community(community.pk, target, expected=source)
             except (InvalidLifecycleTransition, CommunityNotFound):
                 continue  # moved on by someone else since the page was read
             moved.append(community)
@@ -1134,7 +1134,7 @@ class DeliveryAdmin(ReadOnlyAdmin):
 
 @admin.register(CommunityAgent)
 class CommunityAgentAdmin(ReadOnlyAdmin):
-    """A community's agent roster. Keys are enrolled by ``roster.enroll_agents`` (or
+    """A community's agent roster. Keys are enrolled by ``services.enroll_agents`` (or
     ``manage.py enroll_agent``); here an operator revokes and reinstates them, each
     action behind its own permission. Revoking releases the key's leases."""
 
@@ -1170,7 +1170,7 @@ class CommunityAgentAdmin(ReadOnlyAdmin):
         considered = list(queryset.filter(enabled=True))
         for agent in considered:
             try:
-                revocation = roster.revoke_agent(
+                revocation = services.revoke_agent(
                     agent.community_id, bytes(agent.pubkey), operator=operator
                 )
             except (AgentNotEnrolled, CommunityWriteFenced):
@@ -1194,7 +1194,7 @@ class CommunityAgentAdmin(ReadOnlyAdmin):
         considered = list(queryset.filter(enabled=False))
         for agent in considered:
             try:
-                roster.reinstate_agent(agent.community_id, bytes(agent.pubkey))
+                services.reinstate_agent(agent.community_id, bytes(agent.pubkey))
             except (AgentNotEnrolled, CommunityWriteFenced):
                 continue
             done.append(agent)

@@ -7,7 +7,9 @@
 - ``maintenance``: the reaper's and the prune command's sweeps;
 - ``operator``: the admin's bulk release, fail and retry;
 - ``replay``: the signed API's request admission and replay guard;
-- ``replies``: an agent's reply to a delivery it holds, under its lease.
+- ``replies``: an agent's reply to a delivery it holds, under its lease;
+- ``fence``: the community lifecycle and the deletion executor;
+- ``roster``: a community's agent roster: enroll, revoke, reinstate.
 
 Import the functions from here. They own their transaction (or join the caller's),
 take the database clock for every time, and return frozen values from ``protocol``.
@@ -15,6 +17,14 @@ Expected outcomes (a miss, a lost lease) are values; database rule violations be
 named exceptions.
 """
 
+from .fence import (
+    PURGE_ATTEMPTS,
+    begin_deletion,
+    community_write_allowed,
+    executor_writes,
+    purge_community,
+    transition_community,
+)
 from .holder import (
     MAX_BATCH_SIZE,
     Held,
@@ -58,15 +68,18 @@ from .replay import (
     record_request_event,
 )
 from .replies import reply_to_delivery, run_replies, send_reply
+from .roster import enroll_agent, enroll_agents, reinstate_agent, revoke_agent
 from .sending import send_message
 
 __all__ = [
     "MAX_BATCH_SIZE",
+    "PURGE_ATTEMPTS",
     "Held",
     "StepIdentity",
     "admit",
     "admit_request_event",
     "admitted_community",
+    "begin_deletion",
     "checked_lease_seconds",
     "claim_admitted",
     "claim_batch_admitted",
@@ -74,8 +87,12 @@ __all__ = [
     "claim_delivery",
     "claim_enrolled",
     "commit_deliveries",
+    "community_write_allowed",
     "count_prunable",
     "delivery_identity",
+    "enroll_agent",
+    "enroll_agents",
+    "executor_writes",
     "fail_deliveries",
     "finish_admitted",
     "finish_and_claim_next",
@@ -90,10 +107,12 @@ __all__ = [
     "prune_deliveries",
     "prune_replay_guard",
     "prune_replay_guard_now_and_then",
+    "purge_community",
     "reap_deliveries",
     "reap_expired_deliveries",
     "record_request_event",
     "register_idle",
+    "reinstate_agent",
     "release_deliveries",
     "release_lease",
     "renew_admitted",
@@ -101,8 +120,10 @@ __all__ = [
     "reply_to_delivery",
     "retry_delivery",
     "retry_failed_deliveries",
+    "revoke_agent",
     "run_replies",
     "send_message",
     "send_reply",
+    "transition_community",
     "unregister_idle",
 ]

@@ -50,7 +50,7 @@ from ..protocol import (
 from ..store import rows, run, statements
 from ..store.errors import REQUEST_REFUSED
 from ..validation import LEASE_SECONDS_BOUND, is_delay_seconds, is_whole_number
-from ._common import _max_attempts
+from ._common import max_attempts
 from .replay import _admission_params, _stored_admission, admitted_community
 
 # A lease built only to check its fields: the database judges expiry by its own clock.
@@ -639,7 +639,7 @@ def retry_delivery(
     most = _backoff_setting("RETRY_BACKOFF_MAX_SECONDS")
     params.update(_error_params(report))
     params.update(
-        cap=_max_attempts(),
+        cap=max_attempts(),
         delay=None if delay_seconds is None else float(delay_seconds),
         base=base,
         most=most,

@@ -17,7 +17,7 @@ from ..exceptions import ProtocolError
 from ..protocol import Reaped
 from ..store import run, statements
 from ..validation import is_whole_number, is_yield_ratio, parse_duration
-from ._common import _max_attempts
+from ._common import max_attempts
 
 
 def _batch_size(value: object, default: int) -> int:
@@ -79,7 +79,7 @@ def reap_deliveries(
     ``on_locked(ids)`` is told which were skipped (only when some were)."""
     size = _batch_size(batch_size, app_settings.REAP_BATCH_SIZE)
     ratio = _yield_ratio(yield_ratio, app_settings.REAP_YIELD_RATIO)
-    cap = _max_attempts()
+    cap = max_attempts()
     reclaimed = exhausted = 0
 
     def batch() -> int:
