@@ -15,8 +15,9 @@ from django.test.utils import CaptureQueriesContext
 
 from tests import factories
 from tests.admin_pages import change, changelist, claim, committed, expire, grant
-from workflow_delivery import admin_target, services
-from workflow_delivery.admin_target import read_target_state, target_url, when
+from workflow_delivery import services
+from workflow_delivery.admin import target as admin_target
+from workflow_delivery.admin.target import read_target_state, target_url, when
 from workflow_delivery.models import IdleWakeTarget, WorkflowAgentDelivery
 from workflow_delivery.protocol import Exhausted, Outcome, Retried
 from workflow_delivery.store import statements as sql
