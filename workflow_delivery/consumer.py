@@ -45,6 +45,7 @@ from django.db import DEFAULT_DB_ALIAS, connections, transaction
 
 from . import services
 from .conf import app_settings
+from .errors import CONNECTION_ERRORS, is_connection_lost
 from .exceptions import DeliveryTimeout, LeaseNotLive, ProtocolError, WorkflowDeliveryError
 from .models import CommunityAgent
 from .protocol import (
@@ -62,7 +63,6 @@ from .protocol import (
     as_uuid,
 )
 from .services.holder import checked_lease_seconds
-from .store.errors import CONNECTION_ERRORS, is_connection_lost
 from .validation import is_number, is_whole_number
 from .wakeups import WakeListener
 from .wakeups import available as wakeups_available

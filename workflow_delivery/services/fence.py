@@ -19,6 +19,7 @@ from uuid import UUID
 from django.db import DEFAULT_DB_ALIAS, DatabaseError, OperationalError, connections, transaction
 
 from ..conf import app_settings
+from ..errors import sqlstate
 from ..exceptions import (
     CommunityNotFound,
     ExecutorNotAuthorized,
@@ -31,7 +32,7 @@ from ..exceptions import (
 from ..models import DeletionState
 from ..protocol import as_uuid
 from ..store import run, statements
-from ..store.errors import database_errors, sqlstate
+from ..store.errors import database_errors
 
 __all__ = [
     "PURGE_ATTEMPTS",
