@@ -59,11 +59,10 @@ from .protocol import (
     Renewed,
     Retried,
     Settled,
-    as_bytes32,
     as_uuid,
 )
 from .services.holder import checked_lease_seconds
-from .validation import is_number, is_whole_number
+from .validation import checked_public_keys, is_number, is_whole_number
 from .wakeups import WakeListener
 from .wakeups import available as wakeups_available
 
@@ -328,9 +327,7 @@ class Consumer:
         self.roster_interval = roster_interval
         if roster_interval is not None:
             targets = self._enrolled_targets(using)
-        if isinstance(targets, bytes | bytearray | str):
-            raise ProtocolError("targets", "must be a list of 32-byte public keys")
-        self.targets = [as_bytes32("targets", target) for target in targets]
+        self.targets = checked_public_keys("targets", targets)
         if not self.targets and roster_interval is None:
             raise ProtocolError("targets", "name at least one target")
         if not callable(handler):

@@ -1,5 +1,5 @@
-"""Helpers the service modules share: the attempt cap setting, the operator's
-name, and a transaction whose writes the timeline records under a named actor."""
+"""Helpers the service modules share: the attempt cap setting and a transaction
+whose writes the timeline records under a named actor."""
 
 from __future__ import annotations
 
@@ -20,12 +20,6 @@ def max_attempts() -> int | None:
     if cap is not None and not (is_whole_number(cap) and cap >= 1):
         raise ProtocolError("WORKFLOW_DELIVERY_MAX_ATTEMPTS", f"must be None or >= 1, not {cap!r}")
     return cap
-
-
-def operator_name(value: object) -> str:
-    if not isinstance(value, str) or not value.strip():
-        raise ProtocolError("operator", f"must be a non-blank name, not {value!r}")
-    return value
 
 
 @contextmanager

@@ -33,6 +33,7 @@ from ..models import DeletionState
 from ..protocol import as_uuid
 from ..store import run, statements
 from ..store.errors import database_errors
+from ..validation import checked_batch_size
 
 __all__ = [
     "PURGE_ATTEMPTS",
@@ -184,9 +185,7 @@ def purge_community(
     caller's transaction cannot try again. Either way the caller gets
     ``PurgeDeadlocked``, never the driver's error."""
     community_id = as_uuid("community_id", community_id)
-    size = app_settings.PURGE_BATCH_SIZE if batch_size is None else batch_size
-    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
-        raise ProtocolError("batch_size", f"must be a positive whole number, not {size!r}")
+    size = checked_batch_size(batch_size, app_settings.PURGE_BATCH_SIZE)
     attempts = 1 if connections[using].in_atomic_block else PURGE_ATTEMPTS
     deleted = {table: 0 for table, _ in statements.PURGE}
     while True:

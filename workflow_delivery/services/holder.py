@@ -49,7 +49,12 @@ from ..protocol import (
 )
 from ..store import rows, run, statements
 from ..store.errors import REQUEST_REFUSED
-from ..validation import LEASE_SECONDS_BOUND, is_delay_seconds, is_whole_number
+from ..validation import (
+    LEASE_SECONDS_BOUND,
+    checked_public_keys,
+    is_delay_seconds,
+    is_whole_number,
+)
 from ._common import max_attempts
 from .replay import _admission_params, _stored_admission, admitted_community
 
@@ -812,9 +817,7 @@ def _on_idle_targets(
     """``statement`` on the community's idle registrations of ``targets`` (checked,
     each once, in key order); nothing for no targets."""
     community_id = as_uuid("community_id", community_id)
-    if isinstance(targets, bytes | bytearray | str):
-        raise ProtocolError("targets", "must be a list of 32-byte public keys")
-    keys = sorted({as_bytes32("targets", target) for target in targets})
+    keys = sorted(set(checked_public_keys("targets", targets)))
     if not keys:
         return
     with run.cursor(using) as cursor:

@@ -25,7 +25,8 @@ from ..exceptions import AgentNotEnrolled, ProtocolError
 from ..models import AGENT_LABEL_MAX_LENGTH
 from ..protocol import Revocation, RosterEntry, as_bytes32, as_uuid
 from ..store import run, statements
-from ._common import operator_name, transaction_as
+from ..validation import checked_operator, checked_public_keys
+from ._common import transaction_as
 
 __all__ = ["enroll_agent", "enroll_agents", "reinstate_agent", "revoke_agent"]
 
@@ -53,9 +54,7 @@ def _label(value: object) -> str | None:
 
 
 def _pubkeys(pubkeys: Iterable[bytes]) -> list[bytes]:
-    if isinstance(pubkeys, bytes | bytearray | str):
-        raise ProtocolError("pubkeys", "must be a list of 32-byte public keys")
-    return sorted({as_bytes32("pubkeys", key) for key in pubkeys})
+    return sorted(set(checked_public_keys("pubkeys", pubkeys)))
 
 
 def enroll_agents(
@@ -116,7 +115,7 @@ def revoke_agent(
     the roster raises ``AgentNotEnrolled``; a community that is not active,
     ``CommunityWriteFenced``; nothing is changed by either."""
     community_id, pubkey = _scope(community_id, pubkey)
-    actor = "operator" if operator is None else f"operator:{operator_name(operator)}"
+    actor = "operator" if operator is None else f"operator:{checked_operator(operator)}"
     # One transaction: the roster lock is held until the revocation and the release
     # of the key's leases commit together.
     with transaction_as(actor, using) as cursor:
