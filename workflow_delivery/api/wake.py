@@ -20,7 +20,8 @@ from uuid import UUID
 
 from django.db import DEFAULT_DB_ALIAS
 
-from ..wakeups import WakeListener, WakeNotice
+from ..store.wake import WakeNotice
+from ..wakeups import WakeListener
 
 _POLL_SECONDS = 0.5
 

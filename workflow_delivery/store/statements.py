@@ -31,9 +31,9 @@ from ..models import (
     WorkflowRun,
 )
 from ..validation import is_whole_number
-from ..wakeups import WAKE_CHANNEL
 from .rows import RECORD_COLUMNS
 from .statement import Statement
+from .wake import WAKE_CHANNEL
 
 _q = quote_name = connection.ops.quote_name
 
@@ -185,7 +185,7 @@ LOCK_AND_INSERT_SHARED_DELIVERIES = _insert(_SHARED_ROWS, lock=True)
 # pairs are deleted from the idle registry (so the next commit to them sends none
 # until a consumer registers again) and each is notified once, naming one of its new
 # rows. ``woken`` is a data-modifying CTE, so it runs whatever the outer query reads;
-# ``sent`` is materialized, so its NOTIFYs are queued exactly once. ``wakeups.payload``
+# ``sent`` is materialized, so its NOTIFYs are queued exactly once. ``wake.format_wake``
 # builds the same text.
 _WAKE_IDLE = f"""
 woken AS (
