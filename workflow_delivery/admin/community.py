@@ -13,7 +13,7 @@ from django.db.models import Model, QuerySet
 from django.db.models.functions import Lower
 from django.http import HttpRequest
 
-from .. import communities, services
+from .. import services
 from ..exceptions import (
     CommunityNotFound,
     InvalidLifecycleTransition,
@@ -23,6 +23,7 @@ from ..models import (
     Community,
     DeletionState,
 )
+from ..services import communities
 from .shared import ReadOnlyAdmin, log_operator_change, operator_permission
 
 
@@ -71,7 +72,7 @@ class CommunityAddForm(forms.ModelForm):
 class CommunityAdmin(ReadOnlyAdmin):
     """Communities change state only through the fence executor. Each action moves
     rows from one state to the next (no skipping ahead) and skips every other row.
-    The add form creates a community through ``communities.create_community`` and
+    The add form creates a community through ``services.create_community`` and
     nothing else; no existing row is ever changed here."""
 
     list_display = [
@@ -149,7 +150,7 @@ class CommunityAdmin(ReadOnlyAdmin):
     def save_model(self, request: HttpRequest, obj: Model, form: Any, change: bool) -> None:
         if change:
             raise PermissionDenied
-        result = communities.create_community(obj.host)
+        result = services.create_community(obj.host)
         if not result.created:
             # Taken between the form's check and now: the row is someone else's.
             messages.warning(request, f"community {result.id} had the host {result.host} already")

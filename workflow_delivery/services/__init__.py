@@ -8,6 +8,7 @@
 - ``operator``: the admin's bulk release, fail and retry;
 - ``replay``: the signed API's request admission and replay guard;
 - ``replies``: an agent's reply to a delivery it holds, under its lease;
+- ``communities``: create a community, or report the one that has its host;
 - ``fence``: the community lifecycle and the deletion executor;
 - ``roster``: a community's agent roster: enroll, revoke, reinstate.
 
@@ -17,6 +18,7 @@ Expected outcomes (a miss, a lost lease) are values; database rule violations be
 named exceptions.
 """
 
+from .communities import create_community
 from .fence import (
     PURGE_ATTEMPTS,
     begin_deletion,
@@ -89,6 +91,7 @@ __all__ = [
     "commit_deliveries",
     "community_write_allowed",
     "count_prunable",
+    "create_community",
     "delivery_identity",
     "enroll_agent",
     "enroll_agents",

@@ -1,4 +1,4 @@
-"""Creating a community: the first step of its lifecycle (``fence`` takes the rest)."""
+"""Creating a community: the first step of its lifecycle (``services.fence`` takes the rest)."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ import re
 from django.db import DEFAULT_DB_ALIAS, IntegrityError, transaction
 from django.db.models.functions import Lower
 
-from .exceptions import ProtocolError
-from .models import Community
-from .protocol import CommunityCreated
+from ..exceptions import ProtocolError
+from ..models import Community
+from ..protocol import CommunityCreated
 
 # A host as a Host header names it, without its port: DNS labels of letters, digits
 # and inner hyphens, joined by dots.
