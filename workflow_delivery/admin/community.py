@@ -14,15 +14,8 @@ from django.db.models.functions import Lower
 from django.http import HttpRequest
 
 from .. import services
-from ..exceptions import (
-    CommunityNotFound,
-    InvalidLifecycleTransition,
-    ProtocolError,
-)
-from ..models import (
-    Community,
-    DeletionState,
-)
+from ..exceptions import CommunityNotFound, InvalidLifecycleTransition, ProtocolError
+from ..models import Community, DeletionState
 from ..services import communities
 from .shared import ReadOnlyAdmin, log_operator_change, operator_permission
 

@@ -8,10 +8,7 @@ from django.db.models import QuerySet
 from django.http import HttpRequest
 
 from .. import services
-from ..exceptions import (
-    AgentNotEnrolled,
-    CommunityWriteFenced,
-)
+from ..exceptions import AgentNotEnrolled, CommunityWriteFenced
 from ..models import CommunityAgent
 from .shared import (
     ReadOnlyAdmin,

@@ -23,21 +23,14 @@ from django.contrib.contenttypes.models import ContentType
 from django.core.exceptions import ValidationError
 from django.db import DataError, transaction
 from django.db.models import Model, Q, QuerySet
-from django.http import (
-    HttpRequest,
-    HttpResponse,
-    HttpResponseBadRequest,
-)
+from django.http import HttpRequest, HttpResponse, HttpResponseBadRequest
 from django.urls import reverse
 from django.utils import timezone
 from django.utils.dateformat import format as date_format
 from django.utils.html import format_html
 from django.utils.safestring import SafeString
 
-from ..models import (
-    Community,
-    Workflow,
-)
+from ..models import Community, Workflow
 
 HEX64 = re.compile(r"[0-9a-fA-F]{64}")
 SHORT_HEX = 12

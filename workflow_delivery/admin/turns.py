@@ -8,10 +8,7 @@ from typing import Any
 from django.utils.html import format_html, format_html_join
 from django.utils.safestring import SafeString
 
-from ..models import (
-    AgentTurn,
-    WorkflowAgentDelivery,
-)
+from ..models import AgentTurn, WorkflowAgentDelivery
 from ..protocol import DeliveryStatus
 from .shared import when_full
 

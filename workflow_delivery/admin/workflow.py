@@ -4,10 +4,7 @@ from __future__ import annotations
 
 from django.contrib import admin
 
-from ..models import (
-    Workflow,
-    WorkflowRun,
-)
+from ..models import Workflow, WorkflowRun
 from .shared import ReadOnlyAdmin, community_link, hex_field, workflow_link
 
 
