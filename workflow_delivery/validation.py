@@ -1,8 +1,8 @@
 """Checks and parsers for the values settings, options and service arguments take: whole
 numbers, finite numbers, delays, yield ratios and retention durations; and the checks of
-arguments the services, the consumer and the commands share (text, an operator's name,
-a list of public keys, a batch size, a yield ratio), each a ``ProtocolError`` naming the
-argument."""
+arguments the services, the consumer, the admin and the commands share (text, an
+operator's name, a list of public keys, a batch size, a yield ratio, a community's
+host), each a ``ProtocolError`` naming the argument."""
 
 from __future__ import annotations
 
@@ -122,3 +122,24 @@ def checked_yield_ratio(value: object, default: float) -> float:
     if not is_yield_ratio(ratio):
         raise ProtocolError("yield_ratio", f"must be a number from 0 to 100, not {ratio!r}")
     return ratio
+
+
+# A host as a Host header names it, without its port: DNS labels of letters, digits
+# and inner hyphens, joined by dots.
+_LABEL = r"[a-z0-9](?:[a-z0-9-]{0,61}[a-z0-9])?"
+_HOST = re.compile(rf"{_LABEL}(?:\.{_LABEL})*")
+MAX_HOST_LENGTH = 253
+
+
+def as_host(value: object) -> str:
+    """A community host, lower-cased (the API matches hosts in any case)."""
+    if not isinstance(value, str):
+        raise ProtocolError("host", f"must be a string, not {type(value).__name__}")
+    host = value.lower()
+    if not (0 < len(host) <= MAX_HOST_LENGTH and _HOST.fullmatch(host)):
+        raise ProtocolError(
+            "host",
+            f"{value[:80]!r} is not a host name (dot-separated labels of letters, digits "
+            f"and inner hyphens, at most {MAX_HOST_LENGTH} characters, no port)",
+        )
+    return host

@@ -16,7 +16,7 @@ from django.http import HttpRequest
 from .. import services
 from ..exceptions import CommunityNotFound, InvalidLifecycleTransition, ProtocolError
 from ..models import Community, DeletionState
-from ..services import communities
+from ..validation import as_host
 from .shared import ReadOnlyAdmin, log_operator_change, operator_permission
 
 
@@ -43,7 +43,7 @@ class CommunityAddForm(forms.ModelForm):
 
     def clean_host(self) -> str:
         try:
-            host = communities.as_host(self.cleaned_data["host"])
+            host = as_host(self.cleaned_data["host"])
         except ProtocolError as exc:
             raise ValidationError(str(exc)) from exc
         taken = (
