@@ -33,8 +33,7 @@ AGENT = [sys.executable, str(ROOT / "tests" / "acp_agent.py")]
 
 def _setup(label: str, count: int, content: str):
     from workflow_delivery.models import Community
-    from workflow_delivery.roster import enroll_agents
-    from workflow_delivery.services import send_message
+    from workflow_delivery.services import enroll_agents, send_message
 
     owner = Community.objects.create(host=f"{label}-{uuid.uuid4().hex[:8]}.bench")
     agent, peer = os.urandom(32), os.urandom(32)
@@ -122,8 +121,7 @@ def long_turn() -> dict[str, object]:
 def lease_lost() -> dict[str, object]:
     from workflow_delivery.acp import AcpAgent
     from workflow_delivery.models import Event
-    from workflow_delivery.roster import revoke_agent
-    from workflow_delivery.services import get_delivery
+    from workflow_delivery.services import get_delivery, revoke_agent
 
     owner, agent, peer, [delivery] = _setup("lost", 1, "placeholder")
     Event.objects.filter(community_id=owner.id).update(content=f"hang-reply {peer.hex()}")

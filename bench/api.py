@@ -328,14 +328,14 @@ def _wake_phase(url: str, tenant: common.Tenant, samples: int, *, claim: bool = 
     instead: the clock stops when the lease is in its hand (commit -> lease)."""
     import queue
 
-    from workflow_delivery import roster
+    from workflow_delivery import services
     from workflow_delivery.client import AgentClient
     from workflow_delivery.keys import public_key_bytes as public_key
     from workflow_delivery.models import IdleWakeTarget
 
     secret = os.urandom(32)
     target = public_key(secret)
-    roster.enroll_agent(tenant.community_id, target)
+    services.enroll_agent(tenant.community_id, target)
     answers: queue.Queue = queue.Queue()
     stop = threading.Event()
 

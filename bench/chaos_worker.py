@@ -108,7 +108,7 @@ def with_reconnect(journal: Journal, during: str, call: Callable[[], T]) -> T | 
 
 
 def run_producer(config: dict[str, Any], index: int, journal: Journal) -> None:
-    from workflow_delivery import roster, services
+    from workflow_delivery import services
     from workflow_delivery.models import Community, Event, Workflow, WorkflowRun
     from workflow_delivery.protocol import (
         MESSAGE_KIND,
@@ -133,7 +133,7 @@ def run_producer(config: dict[str, Any], index: int, journal: Journal) -> None:
             id=workflow_id,
             defaults={"community": community, "name": "chaos", "owner_pubkey": os.urandom(32)},
         )
-        roster.enroll_agents(community_id, targets)
+        services.enroll_agents(community_id, targets)
 
     with_reconnect(journal, "tenant", ensure_tenant)
     budget = config["deliveries_per_producer"]
@@ -630,7 +630,7 @@ def run_waker(config: dict[str, Any], index: int, journal: Journal) -> None:
     community, every second or so until stopped (``send_message`` under an idempotency
     key, resent after a lost connection), journaling each commit and when its first
     attempt began (``t0``): the waits it should wake."""
-    from workflow_delivery import roster, services
+    from workflow_delivery import services
     from workflow_delivery.exceptions import CommunityNotFound
 
     communities = config["communities"]
@@ -642,7 +642,9 @@ def run_waker(config: dict[str, Any], index: int, journal: Journal) -> None:
             try:
                 # The producers create the communities; the waker enrolls its own keys.
                 with_reconnect(
-                    journal, "tenant", lambda c=community_id, t=target: roster.enroll_agents(c, [t])
+                    journal,
+                    "tenant",
+                    lambda c=community_id, t=target: services.enroll_agents(c, [t]),
                 )
                 break
             except CommunityNotFound:
@@ -790,7 +792,7 @@ def run_deleter(config: dict[str, Any], index: int, journal: Journal) -> None:
     """
     import psycopg
 
-    from workflow_delivery import fence, roster, services
+    from workflow_delivery import services
     from workflow_delivery.models import (
         Community,
         Event,
@@ -858,7 +860,7 @@ def run_deleter(config: dict[str, Any], index: int, journal: Journal) -> None:
 
     # 1. The huge step, then its retry by another producer path.
     targets = [os.urandom(32) for _ in range(config["huge_step_targets"])]
-    with_reconnect(journal, "tenant", lambda: roster.enroll_agents(doomed["community"], targets))
+    with_reconnect(journal, "tenant", lambda: services.enroll_agents(doomed["community"], targets))
     t0 = time.monotonic()
     with_reconnect(
         journal,
@@ -901,7 +903,7 @@ def run_deleter(config: dict[str, Any], index: int, journal: Journal) -> None:
     # 3. The healthy probe.
     probe_target = os.urandom(32)
     with_reconnect(
-        journal, "tenant", lambda: roster.enroll_agents(probe["community"], [probe_target])
+        journal, "tenant", lambda: services.enroll_agents(probe["community"], [probe_target])
     )
     with_reconnect(
         journal,
@@ -919,14 +921,14 @@ def run_deleter(config: dict[str, Any], index: int, journal: Journal) -> None:
 
     # 4. Quiescing, then the exclusive lock held until the probe is reclaimed.
     generation = with_reconnect(
-        journal, "deletion", lambda: fence.transition_community(doomed["community"], "quiescing")
+        journal, "deletion", lambda: services.transition_community(doomed["community"], "quiescing")
     )
     hold_limit = lease + 8 * config["reap_interval"] + 10
 
     def hold() -> float | None:
         # This session keeps the exclusive lock; a second one watches the probe.
         with (
-            fence.executor_writes(doomed["community"], generation),
+            services.executor_writes(doomed["community"], generation),
             psycopg.connect(config["database_url"], autocommit=True) as watcher,
         ):
             deadline = time.monotonic() + hold_limit
@@ -953,13 +955,13 @@ def run_deleter(config: dict[str, Any], index: int, journal: Journal) -> None:
 
     # 5. Fenced, purged, tombstoned.
     generation = with_reconnect(
-        journal, "deletion", lambda: fence.transition_community(doomed["community"], "fenced")
+        journal, "deletion", lambda: services.transition_community(doomed["community"], "fenced")
     )
     deleted = with_reconnect(
-        journal, "deletion", lambda: fence.purge_community(doomed["community"], generation)
+        journal, "deletion", lambda: services.purge_community(doomed["community"], generation)
     )
     with_reconnect(
-        journal, "deletion", lambda: fence.transition_community(doomed["community"], "tombstone")
+        journal, "deletion", lambda: services.transition_community(doomed["community"], "tombstone")
     )
     journal.write(
         "deletion", community=str(doomed["community"]), deleted=deleted, state="tombstone"

@@ -141,7 +141,7 @@ def isolation(db, args: argparse.Namespace) -> dict[str, float]:
 
 def purge(db, args: argparse.Namespace) -> dict[str, float]:
     setup_django(db.name)
-    from workflow_delivery import fence
+    from workflow_delivery import services
 
     conn = db.connect()
     figures = {}
@@ -152,13 +152,13 @@ def purge(db, args: argparse.Namespace) -> dict[str, float]:
         tenant = create_tenant(conn, "purge")
         print(f"purge ({label}): seeding {args.rows} deliveries", flush=True)
         seed_deliveries(conn, tenant, args.rows)
-        fence.transition_community(tenant.community_id, "quiescing")
-        generation = fence.transition_community(tenant.community_id, "fenced")
+        services.transition_community(tenant.community_id, "quiescing")
+        generation = services.transition_community(tenant.community_id, "fenced")
         holds: list[float] = []
         progress = _hold_timer(holds)
 
         started = time.perf_counter()
-        fence.purge_community(
+        services.purge_community(
             tenant.community_id,
             generation,
             batch_size=batch_size,

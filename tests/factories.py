@@ -6,7 +6,7 @@ import os
 import uuid
 from datetime import UTC, datetime
 
-from workflow_delivery import fence, roster
+from workflow_delivery import services
 from workflow_delivery.models import Community, DeletionState, Event, Workflow, WorkflowRun
 from workflow_delivery.protocol import (
     MESSAGE_KIND,
@@ -35,7 +35,7 @@ def move_to(community_id, state: str, **kwargs) -> int:
     current = Community.objects.get(pk=community_id).deletion_state
     generation = Community.objects.get(pk=community_id).deletion_fence_generation
     for step in LIFECYCLE[LIFECYCLE.index(current) + 1 : LIFECYCLE.index(state) + 1]:
-        generation = fence.transition_community(community_id, step, **kwargs)
+        generation = services.transition_community(community_id, step, **kwargs)
     return generation
 
 
@@ -55,7 +55,7 @@ def run(flow: Workflow) -> WorkflowRun:
 
 def enroll(owner: Community, targets: list[bytes]) -> None:
     """Make ``targets`` enabled agents of ``owner`` (deliveries may be committed to them)."""
-    roster.enroll_agents(owner.id, targets)
+    services.enroll_agents(owner.id, targets)
 
 
 def message(owner: Community, targets: list[bytes], created_at: datetime | None = None) -> Event:

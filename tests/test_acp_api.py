@@ -32,8 +32,7 @@ from workflow_delivery.protocol import (
     Retried,
     Settled,
 )
-from workflow_delivery.roster import revoke_agent
-from workflow_delivery.services import release_deliveries, send_message
+from workflow_delivery.services import release_deliveries, revoke_agent, send_message
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.psycopg3]
 

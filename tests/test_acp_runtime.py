@@ -19,8 +19,7 @@ from tests.consumers import eventually, status
 from workflow_delivery.acp import AcpAgent, AgentStartError
 from workflow_delivery.models import Event, WorkflowAgentDelivery
 from workflow_delivery.protocol import DeliveryStatus
-from workflow_delivery.roster import revoke_agent
-from workflow_delivery.services import get_delivery, send_message
+from workflow_delivery.services import get_delivery, revoke_agent, send_message
 
 pytestmark = pytest.mark.django_db(transaction=True)
 

@@ -21,8 +21,12 @@ from workflow_delivery.conf import WorkflowDeliveryConfigurationError
 from workflow_delivery.exceptions import ConstraintViolation
 from workflow_delivery.models import AgentTurn, WorkflowAgentDelivery
 from workflow_delivery.protocol import DeliveryStatus, Outcome
-from workflow_delivery.roster import revoke_agent
-from workflow_delivery.services import claim_delivery, finish_delivery, keep_agent_turn
+from workflow_delivery.services import (
+    claim_delivery,
+    finish_delivery,
+    keep_agent_turn,
+    revoke_agent,
+)
 
 pytestmark = pytest.mark.django_db(transaction=True)
 

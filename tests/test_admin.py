@@ -21,7 +21,7 @@ from tests.admin_pages import (
     listed,
     run_action,
 )
-from workflow_delivery import fence, services
+from workflow_delivery import services
 from workflow_delivery.models import Community, Event, WorkflowAgentDelivery
 from workflow_delivery.protocol import DeliveryStatus, LeaseLost, Outcome
 
@@ -220,7 +220,7 @@ def test_actions_skip_the_rows_of_a_quiescing_community(admin_client, action):
     ids = [*committed(healthy), *committed(quiescing)]
     claim(healthy, healthy.targets[0])
     claim(quiescing, quiescing.targets[0])
-    fence.begin_deletion(quiescing.community.id)
+    services.begin_deletion(quiescing.community.id)
 
     reported = run_action(admin_client, WorkflowAgentDelivery, action, ids)
 
@@ -235,7 +235,7 @@ def test_reap_action_reclaims_expired_leases_and_skips_fenced_communities(admin_
     for step, delivery_id in zip((healthy, quiescing), ids, strict=True):
         claim(step, step.targets[0])
         expire(raw, delivery_id)
-    fence.begin_deletion(quiescing.community.id)
+    services.begin_deletion(quiescing.community.id)
 
     reported = run_action(admin_client, WorkflowAgentDelivery, "reap_expired_leases", ids[:1])
 

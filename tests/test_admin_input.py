@@ -10,8 +10,9 @@ from django.contrib.admin.models import LogEntry
 from django.urls import reverse
 
 from tests import factories
-from workflow_delivery import admin as admin_module
 from workflow_delivery import services
+from workflow_delivery.admin import delivery as delivery_admin
+from workflow_delivery.admin import shared as shared_admin
 from workflow_delivery.models import Community, Event, StatementTimestamp, WorkflowAgentDelivery
 
 pytestmark = pytest.mark.django_db
@@ -88,7 +89,7 @@ def expired_rows(count: int) -> list:
 def test_an_action_on_more_rows_than_a_request_acts_on_is_refused(
     admin_client, monkeypatch, across
 ):
-    monkeypatch.setattr(admin_module, "MAX_ACTION_ROWS", 2)
+    monkeypatch.setattr(shared_admin, "MAX_ACTION_ROWS", 2)
     ids = expired_rows(3)
     data = {"action": "mark_failed", "_selected_action": [str(i) for i in ids], "index": 0}
     if across:
@@ -104,7 +105,7 @@ def test_an_action_on_more_rows_than_a_request_acts_on_is_refused(
 def test_the_reap_action_runs_a_bounded_set_of_batches_without_rests(
     admin_client, monkeypatch, settings
 ):
-    monkeypatch.setattr(admin_module, "REAP_ACTION_BATCHES", 2)
+    monkeypatch.setattr(delivery_admin, "REAP_ACTION_BATCHES", 2)
     settings.WORKFLOW_DELIVERY_REAP_BATCH_SIZE = 2
     settings.WORKFLOW_DELIVERY_REAP_YIELD_RATIO = 100.0
     ids = expired_rows(7)

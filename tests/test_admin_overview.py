@@ -21,7 +21,7 @@ from tests.admin_pages import (
     listed,
     run_action,
 )
-from workflow_delivery import fence, services
+from workflow_delivery import services
 from workflow_delivery.models import DeliveryTransition, WorkflowAgentDelivery
 
 pytestmark = pytest.mark.django_db
@@ -47,7 +47,7 @@ def test_overview_numbers_are_the_databases(admin_client, raw):
     claim(busy, busy.targets[2])
     expire(raw, ids[2])
     claim(quiet, quiet.targets[0])
-    fence.begin_deletion(quiet.community.id)
+    services.begin_deletion(quiet.community.id)
 
     page = admin_client.get(OVERVIEW).content.decode()
     for step in (busy, quiet):
@@ -84,7 +84,7 @@ def test_a_deliverys_page_shows_its_timeline_attempts_and_a_quiescing_community(
     assert table.count("<td>claimed</td>") == 2
     attempts = re.search(r"Attempts:</label>\s*<div class=\"readonly\">(\d+)</div>", page)
     assert attempts is not None and attempts.group(1) == "2"
-    fence.begin_deletion(step.community.id)
+    services.begin_deletion(step.community.id)
     page = admin_client.get(change(WorkflowAgentDelivery, delivery_id)).content.decode()
     assert "community quiescing: the reaper skips this lease" in page
 
@@ -96,7 +96,7 @@ def test_the_expired_filter_lists_only_leases_the_reaper_will_take(admin_client,
     for step, delivery_id in ((healthy, healthy_id), (quiet, quiet_id)):
         claim(step, step.targets[0])
         expire(raw, delivery_id)
-    fence.begin_deletion(quiet.community.id)
+    services.begin_deletion(quiet.community.id)
     assert listed(admin_client, lease="expired") == [healthy_id]
 
 

@@ -15,8 +15,9 @@ from django.test.utils import CaptureQueriesContext
 
 from tests import factories
 from tests.admin_pages import change, changelist, claim, committed, expire, grant
-from workflow_delivery import admin_target, fence, services
-from workflow_delivery.admin_target import read_target_state, target_url, when
+from workflow_delivery import services
+from workflow_delivery.admin import target as admin_target
+from workflow_delivery.admin.target import read_target_state, target_url, when
 from workflow_delivery.models import IdleWakeTarget, WorkflowAgentDelivery
 from workflow_delivery.protocol import Exhausted, Outcome, Retried
 from workflow_delivery.store import statements as sql
@@ -64,7 +65,7 @@ def delivery_row(delivery_id: uuid.UUID):
 def test_a_fenced_community_says_nothing_is_claimable(admin_client):
     step = factories.Step(targets=1)
     committed(step)
-    fence.begin_deletion(step.community.id)
+    services.begin_deletion(step.community.id)
     shown = page(admin_client, step)
     assert headline(shown) == (
         "fenced",
@@ -73,7 +74,7 @@ def test_a_fenced_community_says_nothing_is_claimable(admin_client):
     )
     assert "unclaimed" not in verdict_kinds(shown)
     assert figure(shown, "claimable") == "0"
-    fence.transition_community(step.community.id, "fenced")
+    services.transition_community(step.community.id, "fenced")
     assert headline(page(admin_client, step))[1].startswith(
         "Community is fenced: nothing is claimable"
     )
@@ -161,7 +162,7 @@ def test_an_expired_lease_in_a_fenced_community_says_the_reaper_skips_it(admin_c
     (delivery_id,) = committed(step)
     claim(step, step.targets[0])
     expire(raw, delivery_id)
-    fence.begin_deletion(step.community.id)
+    services.begin_deletion(step.community.id)
     shown = page(admin_client, step)
     assert verdict_kinds(shown) == ["fenced", "expired"]
     assert "the reaper does not take it while the community is not active" in shown

@@ -24,7 +24,7 @@ from django.db import DatabaseError, connection, transaction
 
 from buzz_project.demo import app_role as app_roles
 from tests import factories
-from workflow_delivery import errors, fence, roster, services
+from workflow_delivery import errors, services
 from workflow_delivery.exceptions import ExecutorNotAuthorized, TargetNotEnrolled
 from workflow_delivery.models import Community, CommunityAgent, WorkflowAgentDelivery
 from workflow_delivery.protocol import LeaseLost, NewDelivery, Outcome, Settled
@@ -122,17 +122,17 @@ def test_the_app_runs_its_whole_lifecycle_under_a_role_that_owns_nothing(executo
             [other.delivery_id],
         )
     assert services.reap_expired_deliveries() == 1
-    fence.transition_community(step.community.id, "quiescing", expected="active")
-    generation = fence.transition_community(step.community.id, "fenced", expected="quiescing")
+    services.transition_community(step.community.id, "quiescing", expected="active")
+    generation = services.transition_community(step.community.id, "fenced", expected="quiescing")
     # The purge is the executor role's: the app role may not present the executor.
     with pytest.raises(ExecutorNotAuthorized, match=f"role {app_role} may not act"):
-        fence.purge_community(step.community.id, generation)
+        services.purge_community(step.community.id, generation)
     with as_role(executor_role):
         assert current_role() == (executor_role, False)
         assert not may_create_temporary_tables()
-        deleted = fence.purge_community(step.community.id, generation)
+        deleted = services.purge_community(step.community.id, generation)
     assert deleted["workflow_agent_deliveries"] == 2
-    fence.transition_community(step.community.id, "tombstone", expected="fenced")
+    services.transition_community(step.community.id, "tombstone", expected="fenced")
     assert Community.objects.get(pk=step.community.pk).deletion_state == "tombstone"
 
 
@@ -175,11 +175,11 @@ def test_the_app_role_enrolls_revokes_and_reinstates_and_is_held_to_the_roster(a
             step.created_at,
             [NewDelivery(uuid.uuid4(), step.binding(stranger, step_id="other"))],
         )
-    revocation = roster.revoke_agent(step.community.id, step.targets[0], operator="ops")
+    revocation = services.revoke_agent(step.community.id, step.targets[0], operator="ops")
     assert revocation.released == (lease_holder.id,)
     assert services.finish_delivery(lease, Outcome.FINISHED) == LeaseLost()
-    assert roster.reinstate_agent(step.community.id, step.targets[0]).enabled
-    assert roster.enroll_agent(step.community.id, stranger).enabled
+    assert services.reinstate_agent(step.community.id, step.targets[0]).enabled
+    assert services.enroll_agent(step.community.id, stranger).enabled
 
 
 @pytest.mark.parametrize(
@@ -317,7 +317,7 @@ def test_the_app_role_cannot_present_the_executor(app_role, present):
         run(present, [step.community.id, generation])
     assert errors.sqlstate(caught.value) == "42501"
     with pytest.raises(ExecutorNotAuthorized):
-        fence.purge_community(step.community.id, generation)
+        services.purge_community(step.community.id, generation)
     assert WorkflowAgentDelivery.objects.filter(community=step.community).count() == 1
 
 

@@ -13,7 +13,7 @@ from django.test import override_settings
 
 from tests import factories
 from tests.delivery_rows import claim, expire, one_delivery, raw_sql, row, timeline
-from workflow_delivery import fence, services
+from workflow_delivery import services
 from workflow_delivery.exceptions import ConstraintViolation
 from workflow_delivery.protocol import LeaseLost, Reaped, Settled
 
@@ -119,7 +119,7 @@ def test_the_cap_spares_live_leases_and_fenced_communities():
     claim(live_step)
     fenced_step, fenced_id = one_delivery()
     claim_and_expire(fenced_step, fenced_id)
-    fence.begin_deletion(fenced_step.community.id)
+    services.begin_deletion(fenced_step.community.id)
     assert services.reap_deliveries() == Reaped()
     assert row(live_id)["status"] == row(fenced_id)["status"] == "claimed"
 

@@ -21,7 +21,7 @@ from tests.races import (
     scalar,
     state,
 )
-from workflow_delivery import fence, services
+from workflow_delivery import services
 from workflow_delivery.exceptions import CommunityWriteFenced, ProtocolError
 from workflow_delivery.protocol import (
     AlreadyTerminal,
@@ -113,7 +113,7 @@ def test_claim_refuses_a_bad_lease_length(db):
 def test_claim_in_a_fenced_community_is_refused_and_the_callers_transaction_goes_on(db):
     owner, target, ids = backlog(1)
     healthy, healthy_target, healthy_ids = backlog(1)
-    fence.transition_community(owner.id, "quiescing")
+    services.transition_community(owner.id, "quiescing")
     with transaction.atomic():
         with pytest.raises(CommunityWriteFenced):
             services.claim_deliveries(owner.id, target, limit=5)
@@ -263,7 +263,7 @@ def test_finish_in_a_fenced_community_is_refused_and_changes_nothing(db):
     healthy, healthy_target, _ = backlog(1)
     ((lease, _),) = services.claim_deliveries(owner.id, target, limit=1)
     ((other, _),) = services.claim_deliveries(healthy.id, healthy_target, limit=1)
-    fence.transition_community(owner.id, "quiescing")
+    services.transition_community(owner.id, "quiescing")
     with pytest.raises(CommunityWriteFenced):
         services.finish_deliveries([(other, "finished"), (lease, "finished")])
     assert state(lease.delivery_id)["status"] == "claimed"

@@ -20,7 +20,7 @@ from django.db import connection, connections
 from buzz_project.demo import data as demo
 from tests import factories
 from tests.sessions import other_sessions
-from workflow_delivery import fence, keys, roster, services
+from workflow_delivery import keys, services
 from workflow_delivery.models import WorkflowAgentDelivery
 from workflow_delivery.reaper import logger as reaper_logger
 from workflow_delivery.services import claim_delivery, commit_deliveries
@@ -65,7 +65,7 @@ def healthy_and_fenced(db) -> tuple[factories.Step, factories.Step]:
     """Three expired leases in an active community, two in a quiescing one."""
     healthy = expired_step(3)
     fenced = expired_step(2)
-    fence.begin_deletion(fenced.community.id)
+    services.begin_deletion(fenced.community.id)
     return healthy, fenced
 
 
@@ -335,7 +335,7 @@ def test_delivery_stats_counts_per_community_and_status(db, raw):
     assert claim_delivery(busy.community.id, busy.targets[0], lease_seconds=60)
     expire_leases(busy.community.id)
     stale = expired_step(2)
-    fence.begin_deletion(stale.community.id)
+    services.begin_deletion(stale.community.id)
     idle = factories.community()
 
     stats = json.loads(run("delivery_stats", "--json"))
@@ -434,7 +434,7 @@ def test_demo_data_loads_again_beside_a_key_someone_enrolled_and_served():
     run("demo_deliveries")
     alpha = demo.demo_uuid("alpha.demo.buzz")
     own = bytes.fromhex(keys.new_key_pair()[1])
-    roster.enroll_agent(alpha, own, label="mine")
+    services.enroll_agent(alpha, own, label="mine")
     sent = services.send_message(alpha, targets=[own], content="hi", idempotency_key="mine")
     snapshot = demo_snapshot()
     out = run("demo_deliveries")

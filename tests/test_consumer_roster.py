@@ -11,7 +11,7 @@ import pytest
 
 from tests import factories
 from tests.consumers import Recorder, Running, eventually, status
-from workflow_delivery import roster, services
+from workflow_delivery import services
 from workflow_delivery.consumer import Consumer
 from workflow_delivery.exceptions import ProtocolError
 from workflow_delivery.models import WorkflowAgentDelivery
@@ -61,7 +61,7 @@ def test_a_revoked_agent_is_no_longer_claimed_for():
     with Running(roster_consumer(step.community, handler)) as running:
         held = one_for(step, revoked)
         assert handler.entered.wait(5)
-        assert roster.revoke_agent(step.community.id, revoked).released == (held,)
+        assert services.revoke_agent(step.community.id, revoked).released == (held,)
         assert eventually(lambda: revoked not in running.consumer.targets)
         release.set()  # the handler returns; its lease is lost, its row left pending
         after = one_for(step, kept)

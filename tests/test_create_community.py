@@ -1,5 +1,5 @@
 """A community is created by a command or the admin's one add form, both through
-``communities.create_community``: a host checked, a duplicate (in any case) refused
+``services.create_community``: a host checked, a duplicate (in any case) refused
 by name or reported, nothing else changed."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from django.contrib.auth.models import Permission
 from django.core.management import CommandError, call_command
 from django.urls import reverse
 
-from workflow_delivery import communities
+from workflow_delivery import services
 from workflow_delivery.exceptions import ProtocolError
 from workflow_delivery.models import Community
 
@@ -46,12 +46,12 @@ def test_the_command_refuses_a_host_that_is_not_one(host):
 
 
 def test_the_service_reports_a_taken_host():
-    made = communities.create_community("one.example")
-    again = communities.create_community("ONE.example")
+    made = services.create_community("one.example")
+    again = services.create_community("ONE.example")
     assert made.created and not again.created
     assert again.id == made.id
     with pytest.raises(ProtocolError, match="host"):
-        communities.create_community(42)
+        services.create_community(42)
 
 
 def test_the_admin_add_form_creates_only_a_community(admin_client):
@@ -73,7 +73,7 @@ def test_the_admin_add_form_creates_only_a_community(admin_client):
     [("taken.example", "has the host taken.example already"), ("bad host", "is not a host name")],
 )
 def test_the_admin_add_form_refuses_a_duplicate_or_bad_host_by_name(admin_client, host, error):
-    taken = communities.create_community("TAKEN.example")
+    taken = services.create_community("TAKEN.example")
     answer = admin_client.post(reverse("admin:workflow_delivery_community_add"), {"host": host})
     assert answer.status_code == 200
     assert error in answer.content.decode()

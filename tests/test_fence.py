@@ -9,7 +9,7 @@ from django.db import DatabaseError, connection, transaction
 
 from tests import factories
 from tests.delivery_rows import COPY_DELIVERIES, counts, run_raw
-from workflow_delivery import fence, services
+from workflow_delivery import services
 from workflow_delivery.exceptions import (
     CommunityWriteFenced,
     InvalidLifecycleTransition,
@@ -86,9 +86,9 @@ def test_moving_a_row_across_a_fenced_community_is_refused(db, direction):
 
 def test_each_transition_bumps_the_fence_generation(db):
     owner = factories.community()
-    assert fence.transition_community(owner.id, "quiescing") == 1
-    assert fence.transition_community(owner.id, "fenced") == 2
-    assert fence.transition_community(owner.id, "tombstone") == 3
+    assert services.transition_community(owner.id, "quiescing") == 1
+    assert services.transition_community(owner.id, "fenced") == 2
+    assert services.transition_community(owner.id, "tombstone") == 3
     owner.refresh_from_db()
     assert (owner.deletion_state, owner.deletion_fence_generation) == ("tombstone", 3)
     assert owner.deleted_at is not None
@@ -97,7 +97,7 @@ def test_each_transition_bumps_the_fence_generation(db):
 def test_executor_may_write_under_the_current_generation(db):
     step = fenced_step("fenced")
     generation = Community.objects.get(pk=step.community.pk).deletion_fence_generation
-    with fence.executor_writes(step.community.id, generation):
+    with services.executor_writes(step.community.id, generation):
         WorkflowRun.objects.filter(community=step.community).update(status="cancelled")
     assert set(
         WorkflowRun.objects.filter(community=step.community).values_list("status", flat=True)
@@ -108,7 +108,7 @@ def test_executor_authority_ends_with_its_block(db):
     step = fenced_step("fenced")
     generation = Community.objects.get(pk=step.community.pk).deletion_fence_generation
     with transaction.atomic():
-        with fence.executor_writes(step.community.id, generation):
+        with services.executor_writes(step.community.id, generation):
             pass
         with pytest.raises(DatabaseError), transaction.atomic():
             WorkflowRun.objects.filter(community=step.community).update(status="cancelled")
@@ -118,7 +118,7 @@ def test_executor_with_a_stale_generation_is_refused(db):
     step = fenced_step("quiescing")
     stale = Community.objects.get(pk=step.community.pk).deletion_fence_generation
     factories.move_to(step.community.id, "fenced")
-    with pytest.raises(StaleFenceGeneration), fence.executor_writes(step.community.id, stale):
+    with pytest.raises(StaleFenceGeneration), services.executor_writes(step.community.id, stale):
         pytest.fail("a stale executor must not get to write")
 
 
@@ -139,7 +139,7 @@ def test_stale_generation_presented_by_raw_sql_is_refused(db):
 def test_executor_purges_a_fenced_tenant(db):
     step = fenced_step("fenced")
     generation = Community.objects.get(pk=step.community.pk).deletion_fence_generation
-    deleted = fence.purge_community(step.community.id, generation)
+    deleted = services.purge_community(step.community.id, generation)
     assert deleted["workflow_agent_deliveries"] == 2
     assert deleted["events"] == 1
     assert not WorkflowAgentDelivery.objects.filter(community=step.community).exists()
@@ -151,7 +151,7 @@ def test_tombstone_cannot_be_reverted(db):
     factories.move_to(owner.id, "tombstone")
     for state in ["active", "quiescing", "fenced"]:
         with pytest.raises(InvalidLifecycleTransition):
-            fence.transition_community(owner.id, state)
+            services.transition_community(owner.id, state)
         with pytest.raises(DatabaseError) as caught, transaction.atomic(), connection.cursor() as c:
             c.execute("UPDATE communities SET deletion_state = %s WHERE id = %s", [state, owner.id])
         assert caught.value.__cause__.diag.constraint_name == "wd_community_tombstone_permanent"
@@ -171,13 +171,13 @@ def test_fenced_community_cannot_go_back_to_active(db):
     owner = factories.community()
     factories.move_to(owner.id, "fenced")
     with pytest.raises(InvalidLifecycleTransition):
-        fence.transition_community(owner.id, "active")
+        services.transition_community(owner.id, "active")
 
 
 def test_quiescing_community_can_be_reactivated(db):
     owner = factories.community()
-    fence.transition_community(owner.id, "quiescing")
-    assert fence.transition_community(owner.id, "active") == 2
+    services.transition_community(owner.id, "quiescing")
+    assert services.transition_community(owner.id, "active") == 2
     factories.workflow(owner)
 
 
@@ -196,11 +196,11 @@ def test_community_write_allowed_only_for_active(db, state, allowed):
     owner = factories.community()
     if state != "active":
         factories.move_to(owner.id, state)
-    assert fence.community_write_allowed(owner.id) is allowed
+    assert services.community_write_allowed(owner.id) is allowed
 
 
 def test_community_write_allowed_is_false_for_an_unknown_community(db):
-    assert fence.community_write_allowed(uuid.uuid4()) is False
+    assert services.community_write_allowed(uuid.uuid4()) is False
 
 
 @pytest.mark.django_db(transaction=True)
@@ -217,13 +217,13 @@ def test_executor_refuses_other_isolation_levels():
     owner = factories.community()
     with pytest.raises(IsolationLevelError), transaction.atomic(), connection.cursor() as c:
         c.execute("SET TRANSACTION ISOLATION LEVEL SERIALIZABLE")
-        fence.transition_community(owner.id, "quiescing")
+        services.transition_community(owner.id, "quiescing")
 
 
 def test_unknown_state_is_a_clear_error(db):
     owner = factories.community()
     with pytest.raises(ValueError, match="deletion_state"):
-        fence.transition_community(owner.id, "deleted")
+        services.transition_community(owner.id, "deleted")
 
 
 def test_every_tenant_table_carries_the_fence_trigger(db, raw):
@@ -278,7 +278,7 @@ def test_executor_block_that_fails_writes_nothing_and_keeps_no_authority(db):
     step = fenced_step("fenced")
     generation = Community.objects.get(pk=step.community.pk).deletion_fence_generation
     with transaction.atomic():
-        with pytest.raises(RuntimeError), fence.executor_writes(step.community.id, generation):
+        with pytest.raises(RuntimeError), services.executor_writes(step.community.id, generation):
             WorkflowRun.objects.filter(community=step.community).update(status="cancelled")
             raise RuntimeError("executor crashed")
         assert set(
@@ -370,7 +370,7 @@ def test_a_lifecycle_step_cannot_be_skipped(db, raw, path, target):
     factories.move_to(owner.id, path[-1])
     before = Community.objects.get(pk=owner.pk)
     with pytest.raises(InvalidLifecycleTransition):
-        fence.transition_community(owner.id, target)
+        services.transition_community(owner.id, target)
     with pytest.raises(DatabaseError) as caught, transaction.atomic(), connection.cursor() as c:
         c.execute("UPDATE communities SET deletion_state = %s WHERE id = %s", [target, owner.id])
     assert caught.value.__cause__.diag.constraint_name == "wd_community_lifecycle_forward"
@@ -383,12 +383,12 @@ def test_a_lifecycle_step_cannot_be_skipped(db, raw, path, target):
 
 def test_a_transition_from_a_state_the_caller_did_not_read_is_refused(db):
     owner = factories.community()
-    fence.transition_community(owner.id, "quiescing")
-    fence.transition_community(owner.id, "active")  # cancelled meanwhile
+    services.transition_community(owner.id, "quiescing")
+    services.transition_community(owner.id, "active")  # cancelled meanwhile
     with pytest.raises(UnexpectedCommunityState, match="is active, not quiescing"):
-        fence.transition_community(owner.id, "quiescing", expected="quiescing")
+        services.transition_community(owner.id, "quiescing", expected="quiescing")
     assert Community.objects.get(pk=owner.pk).deletion_state == "active"
-    assert fence.transition_community(owner.id, "quiescing", expected="active") == 3
+    assert services.transition_community(owner.id, "quiescing", expected="active") == 3
 
 
 def test_a_fenced_write_names_its_community(db):
@@ -442,7 +442,7 @@ def test_the_executor_of_a_fenced_community_may_still_insert():
     factories.move_to(step.community.id, "fenced")
     generation = Community.objects.get(pk=step.community.pk).deletion_fence_generation
     before = counts()
-    with fence.executor_writes(step.community.id, generation), connection.cursor() as cursor:
+    with services.executor_writes(step.community.id, generation), connection.cursor() as cursor:
         cursor.execute(COPY_DELIVERIES, [[str(step.community.id)]])
     assert counts() == (before[0] + 2, before[1])
 

@@ -18,7 +18,7 @@ from django.db import connection, transaction
 from tests import factories
 from tests.locks import wait_until_blocked
 from tests.second_session import other
-from workflow_delivery import fence, services
+from workflow_delivery import services
 from workflow_delivery.models import Community, Workflow, WorkflowAgentDelivery
 
 
@@ -57,9 +57,9 @@ def test_deletion_waits_for_a_writer_past_the_fence_and_the_purge_sees_its_rows(
     finish_writer = writer_past_the_fence(step)
 
     def delete_tenant() -> dict[str, int]:
-        generation = fence.transition_community(step.community.id, "quiescing")
-        generation = fence.transition_community(step.community.id, "fenced")
-        return fence.purge_community(step.community.id, generation)
+        generation = services.transition_community(step.community.id, "quiescing")
+        generation = services.transition_community(step.community.id, "fenced")
+        return services.purge_community(step.community.id, generation)
 
     deleting = worker.submit(delete_tenant)
     wait_until_blocked(worker.pid)
@@ -93,7 +93,7 @@ def test_a_transition_waits_for_a_transaction_that_asked_community_write_allowed
     owner = factories.community()
     with other() as reader:
         assert reader.execute("SELECT community_write_allowed(%s)", [owner.id]).fetchone()[0]
-        moving = worker.submit(fence.transition_community, owner.id, "quiescing")
+        moving = worker.submit(services.transition_community, owner.id, "quiescing")
         wait_until_blocked(worker.pid)
         assert Community.objects.get(pk=owner.pk).deletion_state == "active"
         reader.commit()
@@ -155,7 +155,7 @@ def test_a_write_past_the_fence_holds_back_the_deletion_lock_to_its_commit(write
         finally:
             conn.rollback()
     # Once the write has ended, the executor's lock is free.
-    assert fence.begin_deletion(step.community.id) >= 1
+    assert services.begin_deletion(step.community.id) >= 1
 
 
 @pytest.mark.django_db(transaction=True)
@@ -169,7 +169,7 @@ def test_a_write_waits_for_a_deletion_in_progress_and_is_then_refused(write):
             conn.commit()
             with transaction.atomic():
                 # The transition holds the exclusive lock until this block commits.
-                fence.begin_deletion(step.community.id)
+                services.begin_deletion(step.community.id)
                 conn.execute("SET LOCAL lock_timeout = '1s'")
                 # The write waits for the transition (a lock timeout ends the wait),
                 # never reading the community as still active.

@@ -27,7 +27,7 @@ from tests.races import (
     run_together,
     scalar,
 )
-from workflow_delivery import roster, services
+from workflow_delivery import services
 from workflow_delivery.exceptions import CommunityWriteFenced, ProtocolError
 from workflow_delivery.models import WorkflowAgentDelivery
 from workflow_delivery.protocol import (
@@ -175,7 +175,7 @@ def test_a_fenced_community_refuses_the_settle_and_the_claim_alike():
 def test_a_revoked_agent_settles_nothing_and_claims_nothing():
     step, (held, waiting) = backlog(2)
     lease = claim(step)
-    roster.revoke_agent(step.community.id, step.targets[0])
+    services.revoke_agent(step.community.id, step.targets[0])
     assert services.finish_and_claim_next(lease, Outcome.FINISHED).result == LeaseLost()
     # The revocation gave the lease back; the agent's pending deliveries stay as they were.
     assert row(held)["status"] == "pending" and row(held)["lease_generation"] == 2

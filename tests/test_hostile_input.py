@@ -18,7 +18,7 @@ from django.db import DatabaseError, InterfaceError, OperationalError, connectio
 
 from tests import factories
 from tests.sessions import backend_pid, terminate
-from workflow_delivery import fence, services
+from workflow_delivery import services
 from workflow_delivery.exceptions import CommunityWriteFenced, WorkflowDeliveryError
 from workflow_delivery.models import Community, Event, WorkflowAgentDelivery, WorkflowRun
 from workflow_delivery.protocol import (
@@ -230,10 +230,10 @@ def hostile_calls(step: factories.Step, lease: Lease, value: Any) -> dict[str, C
             community, value, step.new_deliveries()
         ),
         "commit deliveries": lambda: services.commit_deliveries(community, step.created_at, value),
-        "transition community_id": lambda: fence.transition_community(value, "fenced"),
-        "transition state": lambda: fence.transition_community(community, value),
-        "write allowed community_id": lambda: fence.community_write_allowed(value),
-        "purge community_id": lambda: fence.purge_community(value, 0),
+        "transition community_id": lambda: services.transition_community(value, "fenced"),
+        "transition state": lambda: services.transition_community(community, value),
+        "write allowed community_id": lambda: services.community_write_allowed(value),
+        "purge community_id": lambda: services.purge_community(value, 0),
         "binding target_pubkey": lambda: step.binding(target_pubkey=value),
     }
 

@@ -34,7 +34,7 @@ from tests.sessions import terminate
 from tests.test_admin_target import figure, headline, verdict_kinds
 from tests.test_app_role import as_role, dropped_afterwards
 from workflow_delivery import services
-from workflow_delivery.admin_target import (
+from workflow_delivery.admin.target import (
     IDLE_GONE,
     IDLE_LIVE,
     IDLE_UNSEEN,
@@ -226,7 +226,7 @@ def test_registering_again_renews_the_session_and_the_time():
 
 def test_a_session_that_is_not_a_listener_session_is_refused():
     step = factories.Step(targets=1)
-    with pytest.raises(Exception, match=r"session: must be a wakeups\.ListenerSession or None"):
+    with pytest.raises(Exception, match=r"session: must be a store\.wake\.ListenerSession or None"):
         services.register_idle(step.community.id, step.targets, session=(1, None))
     assert registration(step) is None
 

@@ -16,7 +16,7 @@ from django.test import override_settings
 
 from tests import factories
 from tests.sessions import backend_pid, terminate
-from workflow_delivery import fence, services
+from workflow_delivery import services
 from workflow_delivery.exceptions import (
     CommunityWriteFenced,
     DeliveryConflict,
@@ -172,7 +172,7 @@ def test_a_refused_statement_is_the_domain_error_and_the_lane_serves_on():
     healthy, frozen, other = factories.Step(), factories.Step(), factories.Step()
     taken = factories.committed(healthy)[0].id
     factories.committed(frozen)
-    fence.transition_community(frozen.community.id, "quiescing")
+    services.transition_community(frozen.community.id, "quiescing")
     with pytest.raises(CommunityWriteFenced) as caught:
         services.claim_delivery(frozen.community.id, frozen.targets[0])
     assert caught.value.community_id == frozen.community.id

@@ -1,6 +1,7 @@
-"""The map of the code in docs/contributing.md: it names every module of the app, each
-module says its job in its docstring, and no module imports from a floor above its
-own."""
+"""The map of the code in docs/contributing.md: it names every module of the app and
+nothing else, each module says its job in its docstring, no module imports from a floor
+above its own, each folder of the app is on the one floor the map gives it, and the
+modules outside ``services/`` and ``store/`` change no state of the app's tables."""
 
 from __future__ import annotations
 
@@ -15,6 +16,34 @@ MAP = ROOT / "docs" / "contributing.md"
 ROW = re.compile(r"^\|\s*(?P<floor>[^|]*?)\s*\|\s*`(?P<module>[^`]+)`\s*\|", re.MULTILINE)
 # exceptions finds the deprecated WorkflowDeliveryConfigurationError in conf on first use.
 ALLOWED_UPWARD = {("exceptions", "conf")}
+# Each folder of the app and the floor its modules are on (the start of the floor's name
+# in the map): the folder is the floor's, or one of its floor's.
+FOLDER_FLOORS = {
+    "store": "persistence",
+    "services": "state changes",
+    "api": "HTTP API",
+    "admin": "admin",
+    "acp": "agents' and operators' tools",
+    "management": "commands",
+}
+# The ORM calls that write; outside services/ and store/ none may be called on a manager
+# or queryset of the app's models.
+ORM_WRITES = {
+    "bulk_create",
+    "bulk_update",
+    "create",
+    "delete",
+    "get_or_create",
+    "save",
+    "update",
+    "update_or_create",
+}
+# What SQL that changes state says (a write, a notification, an advisory lock, a setting).
+WRITING_SQL = re.compile(
+    r"\b(INSERT|UPDATE|DELETE|MERGE|TRUNCATE|pg_notify|pg_advisory\w*|set_config)\b"
+    r"|\bFOR\s+(NO\s+KEY\s+)?(UPDATE|SHARE)\b",
+    re.IGNORECASE,
+)
 
 
 def app_modules() -> list[Path]:
@@ -38,16 +67,22 @@ def dotted(path: Path) -> str:
     )
 
 
+def map_rows() -> list[tuple[str, int, str]]:
+    """Each row of the map: its module as written, the number of its floor (the lowest
+    0) and the floor's name."""
+    rows = []
+    floor, name = -1, ""
+    for row in ROW.finditer(MAP.read_text()):
+        if row["floor"]:
+            floor, name = floor + 1, row["floor"]
+        rows.append((row["module"], floor, name))
+    return rows
+
+
 def floors() -> dict[str, int]:
     """Each mapped module (dotted; a package's ``__init__`` under the package's name)
     and the number of its floor, the lowest 0."""
-    numbered: dict[str, int] = {}
-    floor = -1
-    for row in ROW.finditer(MAP.read_text()):
-        if row["floor"]:
-            floor += 1
-        numbered[row["module"].removesuffix(".py").replace("/", ".")] = floor
-    return numbered
+    return {module.removesuffix(".py").replace("/", "."): floor for module, floor, _ in map_rows()}
 
 
 def floor_of(module: str, numbered: dict[str, int]) -> int | None:
@@ -114,3 +149,118 @@ def test_no_module_imports_from_a_floor_above_its_own():
             if theirs is not None and theirs > own and (module, target) not in ALLOWED_UPWARD:
                 upward.append(f"{module} -> {target}")
     assert not upward
+
+
+def test_every_line_of_the_map_names_a_module_or_folder_of_the_app():
+    rows = map_rows()
+    assert len(rows) > 40
+    stale = [module for module, _, _ in rows if not (APP / module).exists()]
+    assert not stale
+
+
+def misplaced(rows: list[tuple[str, int, str]]) -> list[str]:
+    """The map's lines under a folder of ``FOLDER_FLOORS`` that are on another floor."""
+    found = []
+    for folder, expected in FOLDER_FLOORS.items():
+        lines = [(module, name) for module, _, name in rows if module.startswith(folder + "/")]
+        if not lines:
+            found.append(f"the map has no line under {folder}/")
+        found += [
+            f"{module} is on the floor {name!r}, not {expected!r}"
+            for module, name in lines
+            if not name.startswith(expected)
+        ]
+    return found
+
+
+def test_each_folder_is_on_the_floor_the_map_gives_it():
+    folders = {path.relative_to(APP).parts[0] for path in APP.rglob("*.py")}
+    folders -= {"migrations", *(path.name for path in APP.glob("*.py"))}
+    # Every folder of the app has its floor here (a new folder needs a line above).
+    assert folders == set(FOLDER_FLOORS)
+    assert not misplaced(map_rows())
+
+
+def test_the_folder_check_fails_for_a_module_on_another_floor():
+    moved = [
+        (module, floor, "state changes" if module == "store/run.py" else name)
+        for module, floor, name in map_rows()
+    ]
+    assert misplaced(moved) == ["store/run.py is on the floor 'state changes', not 'persistence'"]
+    assert misplaced([row for row in moved if not row[0].startswith("acp/")]) == [
+        "store/run.py is on the floor 'state changes', not 'persistence'",
+        "the map has no line under acp/",
+    ]
+
+
+def _chain(node: ast.AST) -> list[str]:
+    """``Community.objects.using(x).create`` as its names: Community, objects, using,
+    create."""
+    names: list[str] = []
+    while True:
+        if isinstance(node, ast.Call):
+            node = node.func
+        elif isinstance(node, ast.Attribute):
+            names.append(node.attr)
+            node = node.value
+        elif isinstance(node, ast.Name):
+            names.append(node.id)
+            return names[::-1]
+        else:
+            return names[::-1]
+
+
+def orm_writes(source: str) -> list[str]:
+    """The ORM writes of ``source`` on a manager's queryset (``X.objects....create()``),
+    but for Django's own admin log (``LogEntry``), which is the admin's table."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+            names = _chain(node.func)
+            if node.func.attr in ORM_WRITES and "objects" in names and names[0] != "LogEntry":
+                found.append(".".join(names))
+    return found
+
+
+def statement_writes(source: str) -> list[str]:
+    """The statements of ``store.statements`` that ``source`` names and that change
+    state."""
+    from workflow_delivery.store import statements
+
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if (
+            isinstance(node, ast.Attribute)
+            and isinstance(node.value, ast.Name)
+            and node.value.id == "statements"
+        ):
+            value = getattr(statements, node.attr, "")
+            texts = value.values() if isinstance(value, dict) else [value]
+            for text in texts:
+                if WRITING_SQL.search(getattr(text, "text", text) if text else ""):
+                    found.append(node.attr)
+    return found
+
+
+def test_no_module_outside_services_and_store_changes_state():
+    writers = []
+    for path in app_modules():
+        if path.relative_to(APP).parts[0] in {"services", "store"}:
+            continue
+        source = path.read_text()
+        module = dotted(path)
+        writers += [f"{module}: {call}" for call in orm_writes(source)]
+        writers += [f"{module}: statements.{name}" for name in statement_writes(source)]
+    assert not writers
+
+
+def test_the_state_check_finds_writes():
+    # The checks above can fail: an ORM write, a writing statement, and the admin log
+    # that is allowed.
+    assert orm_writes("Community.objects.using(alias).create(host=h)") == [
+        "Community.objects.using.create"
+    ]
+    assert orm_writes("LogEntry.objects.create(user_id=1)") == []
+    assert orm_writes("Community.objects.filter(id=1).first()") == []
+    assert statement_writes("run.execute(c, statements.REVOKE_AGENT)") == ["REVOKE_AGENT"]
+    assert statement_writes("run.fetch(u, statements.TARGET_STATE)") == []

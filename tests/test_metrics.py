@@ -11,7 +11,7 @@ from django.db.models import Count, Min
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests import factories
-from workflow_delivery import fence, services
+from workflow_delivery import services
 from workflow_delivery.exceptions import CommunityWriteFenced, LeaseNotLive
 from workflow_delivery.models import Community, WorkflowAgentDelivery
 from workflow_delivery.store import statements as sql
@@ -73,7 +73,7 @@ def two_communities():
     factories.committed(quiet)
     services.claim_delivery(quiet.community.id, quiet.targets[0])
     expire_all(quiet.community.id)
-    fence.begin_deletion(quiet.community.id)
+    services.begin_deletion(quiet.community.id)
     return busy.community, quiet
 
 

@@ -32,7 +32,7 @@ from hypothesis.stateful import (
 )
 
 from tests import factories
-from workflow_delivery import fence, services
+from workflow_delivery import services
 from workflow_delivery.exceptions import CommunityWriteFenced, InvalidLifecycleTransition
 from workflow_delivery.models import Community, WorkflowAgentDelivery
 from workflow_delivery.protocol import (
@@ -394,10 +394,10 @@ class DeliveryMachine(RuleBasedStateMachine):
         cancel = (owner.state, state) == ("quiescing", "active")
         if wanted not in (current, current + 1) and not cancel:
             with pytest.raises(InvalidLifecycleTransition), transaction.atomic():
-                fence.transition_community(owner.id, state)
+                services.transition_community(owner.id, state)
             return
         with transaction.atomic():
-            generation = fence.transition_community(owner.id, state)
+            generation = services.transition_community(owner.id, state)
         if wanted != current:
             owner.state, owner.fence_generation = state, owner.fence_generation + 1
         assert generation == owner.fence_generation

@@ -14,7 +14,7 @@ from django.db import connection, connections
 from django.test import override_settings
 
 from tests import factories
-from workflow_delivery import roster, routing, services
+from workflow_delivery import routing, services
 from workflow_delivery.models import Community, Event, Workflow, WorkflowAgentDelivery, WorkflowRun
 from workflow_delivery.protocol import MESSAGE_KIND, MESSAGE_V1_MARKER, EventCause
 
@@ -82,7 +82,7 @@ def tenant_step(community_id: str, alias: str) -> factories.Step:
         tags=[["p", step.targets[0].hex(), "", MESSAGE_V1_MARKER]],
     )
     step.message.save()
-    roster.enroll_agents(owner.id, step.targets, using=alias)
+    services.enroll_agents(owner.id, step.targets, using=alias)
     step.step_id, step.definition_event_id = "step-1", factories.key32()
     step.cause = EventCause(factories.key32())
     assert {row._state.db for row in (owner, flow, run, step.message)} == {alias}

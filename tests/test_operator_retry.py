@@ -10,7 +10,7 @@ from django.test import override_settings
 
 from tests import factories
 from tests.delivery_rows import claim, expire, one_delivery, raw_sql, row, timeline
-from workflow_delivery import fence, services
+from workflow_delivery import services
 from workflow_delivery.exceptions import CommunityWriteFenced, ConstraintViolation, ProtocolError
 from workflow_delivery.models import DeliveryTransition, WorkflowAgentDelivery
 from workflow_delivery.protocol import Exhausted, LeaseLost, Reaped, Retried, Settled
@@ -228,7 +228,7 @@ def test_only_an_operator_retry_entry_carries_a_reason(kind, reason, constraint)
 
 def test_a_fenced_community_refuses_a_raw_retry():
     step, delivery_id, _ = failed_delivery()
-    fence.begin_deletion(step.community.id)
+    services.begin_deletion(step.community.id)
     with pytest.raises(CommunityWriteFenced):
         raw_sql(RETRY_SQL, [delivery_id])
     assert row(delivery_id)["status"] == "failed"

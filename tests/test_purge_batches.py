@@ -12,8 +12,9 @@ import pytest
 from tests import factories
 from tests.locks import key_of
 from tests.second_session import other
-from workflow_delivery import fence
+from workflow_delivery import services
 from workflow_delivery.exceptions import ProtocolError
+from workflow_delivery.services.fence import FIRST_PURGE_BATCH
 from workflow_delivery.store import statements
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -55,7 +56,7 @@ def test_between_batches_the_lock_is_free_and_the_deletions_committed():
             left = rows_left(session, community_id)
             seen.append((taken, sum(left.values()), sum(totals.values())))
 
-        deleted = fence.purge_community(
+        deleted = services.purge_community(
             community_id, generation, batch_size=4, batch_seconds=0, progress=between
         )
         assert rows_left(session, community_id) == dict.fromkeys(TABLES, 0)
@@ -81,14 +82,14 @@ def test_a_purge_interrupted_midway_keeps_its_batches_and_resumes():
     with other() as session:
         before = rows_left(session, community_id)
         with pytest.raises(Interrupted) as caught:
-            fence.purge_community(
+            services.purge_community(
                 community_id, generation, batch_size=5, batch_seconds=0, progress=stop
             )
         (first,) = caught.value.args
         assert sum(first.values()) == 5
         left = rows_left(session, community_id)
         assert {table: before[table] - left[table] for table in TABLES} == first
-        rest = fence.purge_community(community_id, generation, batch_size=5, batch_seconds=0)
+        rest = services.purge_community(community_id, generation, batch_size=5, batch_seconds=0)
         assert rows_left(session, community_id) == dict.fromkeys(TABLES, 0)
     assert {table: first[table] + rest[table] for table in TABLES} == before
 
@@ -97,7 +98,7 @@ def test_a_purge_interrupted_midway_keeps_its_batches_and_resumes():
 def test_a_batch_size_that_is_not_a_positive_whole_number_is_refused(size):
     community_id, generation = fenced_community(steps=1, targets=1)
     with pytest.raises(ProtocolError, match="batch_size"):
-        fence.purge_community(community_id, generation, batch_size=size)
+        services.purge_community(community_id, generation, batch_size=size)
 
 
 def batch_sizes(community_id, generation, **options) -> list[int]:
@@ -107,7 +108,7 @@ def batch_sizes(community_id, generation, **options) -> list[int]:
     def seen(deleted: dict[str, int]) -> None:
         totals.append(sum(deleted.values()))
 
-    fence.purge_community(community_id, generation, progress=seen, **options)
+    services.purge_community(community_id, generation, progress=seen, **options)
     return [after - before for before, after in itertools.pairwise(totals)]
 
 
@@ -121,16 +122,16 @@ def test_a_batch_over_its_time_makes_the_next_smaller():
 
 def test_a_quick_batch_makes_the_next_larger_up_to_the_batch_size():
     community_id, generation = fenced_community(steps=20, targets=10)
-    most = fence.FIRST_PURGE_BATCH + fence.FIRST_PURGE_BATCH // 2
+    most = FIRST_PURGE_BATCH + FIRST_PURGE_BATCH // 2
     sizes = batch_sizes(community_id, generation, batch_size=most, batch_seconds=3600)
     # The first batch holds FIRST_PURGE_BATCH rows; the next would double, but no batch
     # holds more than the batch size.
-    assert sum(sizes) > fence.FIRST_PURGE_BATCH + 2 * most
-    assert sizes[:3] == [fence.FIRST_PURGE_BATCH, most, most]
+    assert sum(sizes) > FIRST_PURGE_BATCH + 2 * most
+    assert sizes[:3] == [FIRST_PURGE_BATCH, most, most]
 
 
 @pytest.mark.parametrize("seconds", [-1, "0.2", float("inf"), True])
 def test_batch_seconds_that_are_not_a_number_of_seconds_are_refused(seconds):
     community_id, generation = fenced_community(steps=1, targets=1)
     with pytest.raises(ProtocolError, match="batch_seconds"):
-        fence.purge_community(community_id, generation, batch_seconds=seconds)
+        services.purge_community(community_id, generation, batch_seconds=seconds)

@@ -23,7 +23,7 @@ from django.db import DatabaseError, connection, transaction
 from tests import factories
 from tests.locks import wait_until_blocked
 from tests.races import scalar
-from workflow_delivery import fence, services
+from workflow_delivery import services
 from workflow_delivery.exceptions import CommunityWriteFenced, LeaseNotLive, PurgeDeadlocked
 from workflow_delivery.models import Community, WorkflowAgentDelivery
 from workflow_delivery.protocol import Lease, LeaseLost, Outcome
@@ -85,7 +85,7 @@ def test_a_holder_finishing_inside_holding_does_not_deadlock_a_purge(elsewhere):
 
     holder, _ = elsewhere(hold)
     assert inside.wait(30)
-    purge, purge_pid = elsewhere(fence.purge_community, step.community.id, generation)
+    purge, purge_pid = elsewhere(services.purge_community, step.community.id, generation)
     # The purge waits for the community's deletion lock, which the holder's block shares.
     wait_until_blocked(purge_pid)
     go.set()
@@ -115,7 +115,7 @@ def test_a_deletion_waits_for_a_holder_inside_holding_whose_finish_commits(elsew
     holder, _ = elsewhere(hold)
     assert inside.wait(30)
     # The holder passed the fence when it entered: the deletion waits for its block.
-    quiesce, quiesce_pid = elsewhere(fence.begin_deletion, step.community.id)
+    quiesce, quiesce_pid = elsewhere(services.begin_deletion, step.community.id)
     wait_until_blocked(quiesce_pid)
     go.set()
     assert holder.result(timeout=60).outcome == Outcome.FINISHED
@@ -188,7 +188,7 @@ def test_a_writer_arriving_during_a_purge_waits_for_it_without_deadlock(elsewher
         # The purge's own statements, paused between its exclusive lock and its
         # deletes, when a writer that locked a row first would deadlock it.
         deleted = {}
-        with fence.executor_writes(step.community.id, generation):
+        with services.executor_writes(step.community.id, generation):
             locked.set()
             assert go.wait(30)
             with connection.cursor() as cursor:
@@ -251,7 +251,7 @@ def test_a_purge_chosen_as_a_deadlocks_victim_tries_again(elsewhere):
 
     def purge() -> dict[str, int]:
         scalar("SELECT set_config('deadlock_timeout', '1s', false)")
-        return fence.purge_community(step.community.id, generation)
+        return services.purge_community(step.community.id, generation)
 
     purging, purge_pid = elsewhere(purge)
     wait_until_blocked(purge_pid)  # on the writer's run
@@ -273,7 +273,7 @@ def test_a_purge_in_the_callers_transaction_reports_the_deadlock_by_name(elsewhe
         scalar("SELECT set_config('deadlock_timeout', '1s', false)")
         try:
             with transaction.atomic():
-                fence.purge_community(step.community.id, generation)
+                services.purge_community(step.community.id, generation)
         except PurgeDeadlocked:
             return "PurgeDeadlocked"
         return "purged"

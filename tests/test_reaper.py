@@ -15,7 +15,7 @@ from django.db import connection
 from tests import factories
 from tests.locks import QUICK, expire_all, key_of, statuses, wait_until_blocked
 from tests.second_session import other
-from workflow_delivery import checks, fence, services
+from workflow_delivery import checks, services
 from workflow_delivery.models import WorkflowAgentDelivery
 from workflow_delivery.reaper import Reaper
 
@@ -103,7 +103,7 @@ def test_reaper_skips_a_tenant_whose_transition_is_queued_behind_a_slow_producer
         # A producer past the fence (shared lock, uncommitted insert) ...
         producer.execute("SELECT pg_advisory_xact_lock_shared(%s)", [key_of(frozen.community.id)])
         # ... and a transition queued behind it for the exclusive lock.
-        moving = worker.submit(fence.transition_community, later.community.id, "quiescing")
+        moving = worker.submit(services.transition_community, later.community.id, "quiescing")
         wait_until_blocked(worker.pid)
         started = time.monotonic()
         skipped: list[uuid.UUID] = []

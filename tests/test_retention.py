@@ -14,7 +14,7 @@ from django.core.management import CommandError, call_command
 from django.db import connection, connections
 
 from tests import factories
-from workflow_delivery import fence, services
+from workflow_delivery import services
 from workflow_delivery.exceptions import ProtocolError
 from workflow_delivery.models import DeliveryTransition, WorkflowAgentDelivery
 
@@ -78,9 +78,9 @@ def test_only_terminal_rows_older_than_the_cut_off_go_with_their_timeline():
 def test_a_non_active_community_is_skipped_inside_the_statement(state):
     healthy = settled_step(2)
     frozen = settled_step(2)
-    fence.begin_deletion(frozen.community.id)
+    services.begin_deletion(frozen.community.id)
     if state == "fenced":
-        fence.transition_community(frozen.community.id, "fenced")
+        services.transition_community(frozen.community.id, "fenced")
     assert services.prune_deliveries(older_than="1d") == 2
     assert (left(healthy), left(frozen)) == (0, 2)
 

@@ -17,7 +17,7 @@ from django.db import DatabaseError, IntegrityError, connection, connections, tr
 from django.test import Client
 
 from tests import factories
-from workflow_delivery import errors, fence, roster, services
+from workflow_delivery import errors, services
 from workflow_delivery.exceptions import (
     AgentNotEnrolled,
     CommunityNotFound,
@@ -77,7 +77,7 @@ def test_a_refusal_of_many_targets_names_a_few_and_carries_them_all():
 
 def test_a_commit_to_a_revoked_target_is_refused_with_the_producers_own_writes():
     step = factories.Step(targets=2)
-    roster.revoke_agent(step.community.id, step.targets[1])
+    services.revoke_agent(step.community.id, step.targets[1])
     scope = (step.community.id, step.run.id, step.step_id)
     with pytest.raises(TargetNotEnrolled) as caught, services.delivery_identity(*scope) as identity:
         factories.workflow(step.community)
@@ -147,7 +147,7 @@ def test_a_retry_that_creates_nothing_is_not_asked_again():
     (every row already there) creates nothing and is not refused."""
     step = factories.Step()
     deliveries = factories.committed(step)
-    roster.revoke_agent(step.community.id, step.targets[0])
+    services.revoke_agent(step.community.id, step.targets[0])
     again = [NewDelivery(uuid.uuid4(), item.binding) for item in deliveries]
     assert services.commit_deliveries(step.community.id, step.created_at, again) == []
 
@@ -158,11 +158,11 @@ def test_a_retry_that_creates_nothing_is_not_asked_again():
 def test_enroll_is_idempotent_and_keeps_a_revoked_key_revoked():
     owner = factories.community()
     key = factories.key32()
-    first = roster.enroll_agent(owner.id, key, label="scout")
+    first = services.enroll_agent(owner.id, key, label="scout")
     assert (first.enabled, first.label, first.revoked_at) == (True, "scout", None)
-    assert roster.enroll_agent(owner.id, key) == first
-    revoked = roster.revoke_agent(owner.id, key).entry
-    again = roster.enroll_agent(owner.id, key)
+    assert services.enroll_agent(owner.id, key) == first
+    revoked = services.revoke_agent(owner.id, key).entry
+    again = services.enroll_agent(owner.id, key)
     assert (again.enabled, again.revoked_at) == (False, revoked.revoked_at)
     assert CommunityAgent.objects.filter(community=owner).count() == 1
 
@@ -170,27 +170,27 @@ def test_enroll_is_idempotent_and_keeps_a_revoked_key_revoked():
 def test_revoke_and_reinstate_are_idempotent():
     step = factories.Step()
     key = step.targets[0]
-    first = roster.revoke_agent(step.community.id, key)
-    second = roster.revoke_agent(step.community.id, key)
+    first = services.revoke_agent(step.community.id, key)
+    second = services.revoke_agent(step.community.id, key)
     assert second.entry.revoked_at == first.entry.revoked_at and second.released == ()
-    entry = roster.reinstate_agent(step.community.id, key)
+    entry = services.reinstate_agent(step.community.id, key)
     assert (entry.enabled, entry.revoked_at) == (True, None)
-    assert roster.reinstate_agent(step.community.id, key) == entry
+    assert services.reinstate_agent(step.community.id, key) == entry
     assert len(factories.committed(step)) == 1
 
 
 def test_bad_roster_input_is_a_clear_error_and_changes_nothing():
     owner = factories.community()
     with pytest.raises(ProtocolError, match="pubkey"):
-        roster.enroll_agent(owner.id, b"short")
+        services.enroll_agent(owner.id, b"short")
     with pytest.raises(ProtocolError, match="label"):
-        roster.enroll_agent(owner.id, factories.key32(), label="x" * 201)
+        services.enroll_agent(owner.id, factories.key32(), label="x" * 201)
     with pytest.raises(CommunityNotFound):
-        roster.enroll_agent(uuid.uuid4(), factories.key32())
+        services.enroll_agent(uuid.uuid4(), factories.key32())
     with pytest.raises(AgentNotEnrolled, match="not an agent"):
-        roster.revoke_agent(owner.id, factories.key32())
+        services.revoke_agent(owner.id, factories.key32())
     with pytest.raises(AgentNotEnrolled):
-        roster.reinstate_agent(owner.id, factories.key32())
+        services.reinstate_agent(owner.id, factories.key32())
     assert not CommunityAgent.objects.exists()
 
 
@@ -198,12 +198,12 @@ def test_the_roster_is_behind_the_community_write_fence():
     step = factories.Step()
     factories.move_to(step.community.id, "quiescing")
     with pytest.raises(CommunityWriteFenced):
-        roster.revoke_agent(step.community.id, step.targets[0])
+        services.revoke_agent(step.community.id, step.targets[0])
     with pytest.raises(CommunityWriteFenced):
-        roster.enroll_agent(step.community.id, factories.key32())
+        services.enroll_agent(step.community.id, factories.key32())
     assert list(CommunityAgent.objects.values_list("enabled", flat=True)) == [True]
     generation = factories.move_to(step.community.id, "fenced")
-    deleted = fence.purge_community(step.community.id, generation)
+    deleted = services.purge_community(step.community.id, generation)
     assert deleted[CommunityAgent._meta.db_table] == 1
 
 
@@ -228,7 +228,7 @@ def test_revoking_releases_the_keys_leases_so_its_late_renew_and_finish_fail_clo
     lease, _ = services.claim_delivery(step.community.id, step.targets[0], lease_seconds=60)
     kept, _ = services.claim_delivery(step.community.id, step.targets[1], lease_seconds=60)
 
-    revocation = roster.revoke_agent(step.community.id, step.targets[0], operator="alice")
+    revocation = services.revoke_agent(step.community.id, step.targets[0], operator="alice")
 
     assert revocation.released == (lease.delivery_id,)
     assert revocation.entry.enabled is False and revocation.entry.revoked_at is not None
@@ -283,7 +283,7 @@ def test_a_revocation_waits_for_the_keys_work_in_flight_and_later_work_sees_it(i
 
     def revoker() -> None:
         try:
-            revoked.append(roster.revoke_agent(step.community.id, step.targets[0]))
+            revoked.append(services.revoke_agent(step.community.id, step.targets[0]))
         finally:
             connections.close_all()
 
@@ -357,7 +357,7 @@ def test_the_api_refuses_a_revoked_key_and_its_leases_are_gone(api_client):
     assert claimed.status_code == 200
     generation = claimed.json()["lease"]["generation"]
 
-    roster.revoke_agent(step.community.id, pubkey(key))
+    services.revoke_agent(step.community.id, pubkey(key))
     replays = AgentRequestReplay.objects.count()
     finish = {"generation": generation, "outcome": "finished"}
     path = f"v1/deliveries/{delivery.id}/finish"
@@ -367,7 +367,7 @@ def test_the_api_refuses_a_revoked_key_and_its_leases_are_gone(api_client):
     row = WorkflowAgentDelivery.objects.get(pk=delivery.id)
     assert (row.status, row.lease_generation) == ("pending", generation + 1)
 
-    roster.reinstate_agent(step.community.id, pubkey(key))
+    services.reinstate_agent(step.community.id, pubkey(key))
     again = signed(api_client, "POST", path, finish, host=host, secret_key=key)
     assert again.status_code == 409 and again.json()["error"] == "lease_lost"
     assert signed(api_client, "POST", "v1/claim", {}, host=host, secret_key=key).status_code == 200
@@ -414,7 +414,7 @@ def test_a_roster_action_needs_its_own_permission(
 
     step = factories.Step()
     if not enabled_before:
-        roster.revoke_agent(step.community.id, step.targets[0])
+        services.revoke_agent(step.community.id, step.targets[0])
     agent = CommunityAgent.objects.get(community=step.community)
     user = django_user_model.objects.create_user("roster-viewer", password="x", is_staff=True)
     user.user_permissions.set(Permission.objects.filter(codename="view_communityagent"))
@@ -440,7 +440,7 @@ def test_the_admin_revocation_releases_leases_and_skips_revoked_rows(admin_clien
     step = factories.Step(targets=2)
     factories.committed(step)
     lease, _ = services.claim_delivery(step.community.id, step.targets[0])
-    roster.revoke_agent(step.community.id, step.targets[1])
+    services.revoke_agent(step.community.id, step.targets[1])
     agents = list(
         CommunityAgent.objects.filter(community=step.community).values_list("pk", flat=True)
     )

@@ -9,7 +9,17 @@ import inspect
 from workflow_delivery import services
 from workflow_delivery.services import sending
 
-AUDIENCES = ["producer", "holder", "maintenance", "operator", "replay", "replies"]
+AUDIENCES = [
+    "producer",
+    "holder",
+    "maintenance",
+    "operator",
+    "replay",
+    "replies",
+    "communities",
+    "fence",
+    "roster",
+]
 
 
 def audience_modules():
@@ -35,8 +45,13 @@ def test_each_public_name_is_its_audience_modules_own_object():
             if public and value.__module__ == module.__name__:
                 assert name not in homes, f"{name} is defined in {homes.get(name)} and {module}"
                 homes[name] = module
-    assert set(homes) == set(services.__all__) - {"MAX_BATCH_SIZE", "send_message"}
+    assert set(homes) == set(services.__all__) - {
+        "MAX_BATCH_SIZE",
+        "PURGE_ATTEMPTS",
+        "send_message",
+    }
     for name, module in homes.items():
         assert getattr(services, name) is getattr(module, name)
     assert services.MAX_BATCH_SIZE is services.holder.MAX_BATCH_SIZE
+    assert services.PURGE_ATTEMPTS is services.fence.PURGE_ATTEMPTS
     assert services.send_message is sending.send_message

@@ -17,7 +17,7 @@ from django.test import override_settings
 from django.test.utils import CaptureQueriesContext
 
 from tests import factories
-from workflow_delivery import fence, services
+from workflow_delivery import services
 from workflow_delivery.conf import app_settings
 from workflow_delivery.exceptions import CommunityWriteFenced, ProtocolError
 from workflow_delivery.protocol import (
@@ -160,7 +160,7 @@ def test_the_reused_cursor_serves_again_after_a_refused_statement(db):
     healthy, frozen = factories.Step(), factories.Step()
     factories.committed(healthy)
     factories.committed(frozen)
-    fence.transition_community(frozen.community.id, "quiescing")
+    services.transition_community(frozen.community.id, "quiescing")
     with store_run.cursor("default") as before:
         pass
     with pytest.raises(CommunityWriteFenced):
@@ -217,7 +217,7 @@ def test_setting_off_runs_through_djangos_cursor(db):
 def test_fence_errors_map_the_same_either_way(db, prepared):
     step = factories.Step()
     factories.committed(step)
-    fence.transition_community(step.community.id, "quiescing")
+    services.transition_community(step.community.id, "quiescing")
     with (
         override_settings(WORKFLOW_DELIVERY_PREPARED_STATEMENTS=prepared),
         pytest.raises(CommunityWriteFenced),
@@ -228,7 +228,7 @@ def test_fence_errors_map_the_same_either_way(db, prepared):
 @pytest.mark.parametrize("prepared", [True, False])
 def test_a_refused_statement_leaves_the_callers_transaction_usable(db, prepared):
     healthy, frozen = factories.Step(), factories.Step()
-    fence.transition_community(frozen.community.id, "quiescing")
+    services.transition_community(frozen.community.id, "quiescing")
     with override_settings(WORKFLOW_DELIVERY_PREPARED_STATEMENTS=prepared), transaction.atomic():
         with pytest.raises(CommunityWriteFenced):
             services.commit_deliveries(

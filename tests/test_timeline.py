@@ -28,7 +28,7 @@ from tests.delivery_rows import (
     stored,
     timeline,
 )
-from workflow_delivery import fence, history, services
+from workflow_delivery import history, services
 from workflow_delivery.exceptions import (
     CommunityWriteFenced,
     ConstraintViolation,
@@ -219,7 +219,7 @@ def test_the_actor_setting_ends_with_the_services_block():
 def test_the_timeline_of_a_non_active_community_cannot_be_written():
     step, delivery_id = one_delivery()
     services.fail_deliveries(step.community.id, [delivery_id], operator="erin")
-    fence.begin_deletion(step.community.id)
+    services.begin_deletion(step.community.id)
     with pytest.raises(CommunityWriteFenced):
         raw_sql(
             "INSERT INTO workflow_delivery_timeline (community_id, delivery_id, at, kind, "
@@ -257,9 +257,9 @@ def test_the_timeline_goes_with_its_delivery():
 def test_the_executor_purges_the_timeline_of_a_fenced_community():
     step, delivery_id = one_delivery()
     services.fail_deliveries(step.community.id, [delivery_id], operator="erin")
-    fence.begin_deletion(step.community.id)
-    generation = fence.transition_community(step.community.id, "fenced")
-    deleted = fence.purge_community(step.community.id, generation)
+    services.begin_deletion(step.community.id)
+    generation = services.transition_community(step.community.id, "fenced")
+    deleted = services.purge_community(step.community.id, generation)
     assert deleted["workflow_delivery_timeline"] == 1
     assert not DeliveryTransition.objects.filter(community_id=step.community.id).exists()
     assert not WorkflowAgentDelivery.objects.filter(community_id=step.community.id).exists()

@@ -24,7 +24,8 @@ from workflow_delivery.conf import WorkflowDeliveryConfigurationError
 from workflow_delivery.exceptions import CommunityWriteFenced
 from workflow_delivery.models import IdleWakeTarget, WorkflowAgentDelivery
 from workflow_delivery.protocol import DeliveryStatus, NewDelivery
-from workflow_delivery.wakeups import WakeListener, WakeNotice, format_wake, parse_wake
+from workflow_delivery.store.wake import WakeNotice, format_wake, parse_wake
+from workflow_delivery.wakeups import WakeListener
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.psycopg3]
 

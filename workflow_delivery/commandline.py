@@ -25,7 +25,7 @@ from django.db.models.functions import Lower
 from . import routing
 from .conf import app_settings
 from .models import Community
-from .validation import is_number, is_whole_number, parse_duration
+from .validation import is_key_hex, is_number, is_whole_number, parse_duration
 
 # The reaper's logger: the commands report there too (docs/howto/operations.md), so one
 # --verbosity and one logging setting govern both.
@@ -99,6 +99,13 @@ def positive(option: str, value: object, *, whole: bool) -> None:
     if not ((is_whole_number if whole else is_number)(value) and value > 0):
         noun = "whole number" if whole else "number of seconds"
         raise CommandError(f"{option} must be a positive {noun}, not {value!r}")
+
+
+def key_option(option: str, value: object) -> bytes:
+    """A public key option: 64 lowercase hex characters, as its 32 bytes."""
+    if not is_key_hex(value):
+        raise CommandError(f"{option} must be 64 lowercase hex characters, not {value!r}")
+    return bytes.fromhex(value)
 
 
 def add_database_options(parser: ArgumentParser, *, sweeping: bool) -> None:

@@ -45,6 +45,7 @@ from django.db import DEFAULT_DB_ALIAS, connections, transaction
 
 from . import services
 from .conf import app_settings
+from .errors import CONNECTION_ERRORS, is_connection_lost
 from .exceptions import DeliveryTimeout, LeaseNotLive, ProtocolError, WorkflowDeliveryError
 from .models import CommunityAgent
 from .protocol import (
@@ -58,12 +59,10 @@ from .protocol import (
     Renewed,
     Retried,
     Settled,
-    as_bytes32,
     as_uuid,
 )
 from .services.holder import checked_lease_seconds
-from .store.errors import CONNECTION_ERRORS, is_connection_lost
-from .validation import is_number, is_whole_number
+from .validation import checked_public_keys, is_number, is_whole_number
 from .wakeups import WakeListener
 from .wakeups import available as wakeups_available
 
@@ -328,9 +327,7 @@ class Consumer:
         self.roster_interval = roster_interval
         if roster_interval is not None:
             targets = self._enrolled_targets(using)
-        if isinstance(targets, bytes | bytearray | str):
-            raise ProtocolError("targets", "must be a list of 32-byte public keys")
-        self.targets = [as_bytes32("targets", target) for target in targets]
+        self.targets = checked_public_keys("targets", targets)
         if not self.targets and roster_interval is None:
             raise ProtocolError("targets", "name at least one target")
         if not callable(handler):

@@ -827,7 +827,7 @@ def as_datetime(field: str, value: object) -> datetime:
 
 @dataclass(frozen=True, slots=True)
 class CommunityCreated:
-    """What ``communities.create_community`` did: ``created`` is False when a
+    """What ``services.create_community`` did: ``created`` is False when a
     community already had the host (any case), whose id and state it reports."""
 
     id: UUID

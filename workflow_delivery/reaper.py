@@ -15,9 +15,9 @@ from django.db.models import Count, F
 from . import services
 from .commandline import StopRequest
 from .conf import app_settings
+from .errors import is_connection_lost
 from .exceptions import DeliveryTimeout
 from .models import WorkflowAgentDelivery
-from .store.errors import is_connection_lost
 
 logger = logging.getLogger(__name__)
 
@@ -213,7 +213,7 @@ class Reaper:
                 logger.warning("sweep=%s error=timeout sqlstate=%s", number, exc.sqlstate)
                 pause = interval
             except Exception as exc:
-                # Only a lost session (store.errors.is_connection_lost: class 08, 57P01-57P05,
+                # Only a lost session (errors.is_connection_lost: class 08, 57P01-57P05,
                 # 25P03-25P04, or a connection left closed) is retried on a fresh
                 # connection; anything else is a bug.
                 if not any(is_connection_lost(exc, connections[alias]) for alias in self.databases):

@@ -24,7 +24,8 @@ visible), when the listening session was lost (a listener that reconnects sends 
 waiters to poll), or when the producer died between its commit and an after-commit
 send.
 
-``WakeListener`` holds its own psycopg 3 connection, outside Django's connection
+The channel and the payload's format are the store's (``store.wake``); this module is
+the listening side. ``WakeListener`` holds its own psycopg 3 connection, outside Django's connection
 handling: ``LISTEN`` needs a session that stays open and idle between waits, which a
 pooled or per-request connection is not. Its ``session`` (the backend's pid and start)
 is what a registration names as the one waiting for the wake-up, so the admin can tell
@@ -36,51 +37,11 @@ from __future__ import annotations
 import functools
 import logging
 import time
-from dataclasses import dataclass
-from datetime import datetime
 from typing import Any
-from uuid import UUID
 
 from django.db import DEFAULT_DB_ALIAS, connections
 
-__all__ = [
-    "WAKE_CHANNEL",
-    "ListenerSession",
-    "WakeListener",
-    "WakeNotice",
-    "available",
-    "format_wake",
-    "parse_wake",
-]
-
-WAKE_CHANNEL = "workflow_delivery_wake"
-
-logger = logging.getLogger(__name__)
-
-_HEX = frozenset("0123456789abcdef")
-
-
-@dataclass(frozen=True, slots=True)
-class WakeNotice:
-    """A notification's identifiers: a delivery for this target was committed.
-
-    Not ``protocol.WakeHint`` (the signed kind-24620 event an agent may receive): this
-    one comes from the database and names the community too.
-    """
-
-    community_id: UUID
-    target_pubkey: bytes
-    delivery_id: UUID
-
-
-@dataclass(frozen=True, slots=True)
-class ListenerSession:
-    """A database session as ``pg_stat_activity`` names it: ``pid`` alone may be reused
-    by a later backend, ``(pid, backend_start)`` may not."""
-
-    pid: int
-    backend_start: datetime
-
+from .store.wake import WAKE_CHANNEL, ListenerSession, WakeNotice, parse_wake
 
 # The calling session's own row: every role sees all of it.
 _OWN_SESSION = (
@@ -88,41 +49,9 @@ _OWN_SESSION = (
     " FROM pg_catalog.pg_stat_get_activity(pg_catalog.pg_backend_pid()) AS a"
 )
 
+__all__ = ["WakeListener", "available", "connection_params"]
 
-def format_wake(community_id: UUID | str, target_pubkey: bytes, delivery_id: UUID | str) -> str:
-    """The payload of one wake-up (``store.statements.producer._WAKE_IDLE`` builds the
-    same text in SQL)."""
-    if not isinstance(community_id, UUID):
-        community_id = UUID(str(community_id))
-    if not isinstance(delivery_id, UUID):
-        delivery_id = UUID(str(delivery_id))
-    return f"{community_id}:{bytes(target_pubkey).hex()}:{delivery_id}"
-
-
-def _canonical_uuid(text: str) -> UUID | None:
-    if len(text) != 36:
-        return None
-    try:
-        value = UUID(text)
-    except ValueError:
-        return None
-    return value if str(value) == text else None
-
-
-def parse_wake(payload: object) -> WakeNotice | None:
-    """A payload's hint, or None when it is not exactly the producer's format."""
-    if not isinstance(payload, str):
-        return None
-    parts = payload.split(":")
-    if len(parts) != 3:
-        return None
-    community, target, delivery = parts
-    if len(target) != 64 or not _HEX.issuperset(target):
-        return None
-    community_id, delivery_id = _canonical_uuid(community), _canonical_uuid(delivery)
-    if community_id is None or delivery_id is None:
-        return None
-    return WakeNotice(community_id, bytes.fromhex(target), delivery_id)
+logger = logging.getLogger(__name__)
 
 
 @functools.cache

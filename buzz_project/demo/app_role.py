@@ -32,7 +32,7 @@ GRANTS = (
     "GRANT USAGE, SELECT ON ALL SEQUENCES IN SCHEMA public TO {role}",
 )
 
-# The deletion executor's authority (``fence.executor_writes``, ``fence.purge_community``):
+# The deletion executor's authority (``services.executor_writes``, ``services.purge_community``):
 # granted only to an executor role, taken back from a role made without it.
 EXECUTOR_FUNCTIONS = "FUNCTION wd_present_executor(uuid, bigint), wd_withdraw_executor()"
 EXECUTOR_GRANT = f"GRANT EXECUTE ON {EXECUTOR_FUNCTIONS} TO {{role}}"

@@ -27,7 +27,7 @@ from django.contrib.auth import get_user_model
 from django.db import DEFAULT_DB_ALIAS, connections
 from django.utils import timezone
 
-from workflow_delivery import fence, keys, roster, services
+from workflow_delivery import keys, services
 from workflow_delivery.client import AgentClient
 from workflow_delivery.commandline import StopRequest
 from workflow_delivery.consumer import (
@@ -276,7 +276,7 @@ def _load_community(report: DemoReport, host: str, expiring: list[UUID]) -> None
         return
     # The demo agents are the community's roster: deliveries go only to enrolled keys.
     for name in AGENTS:
-        roster.enroll_agent(
+        services.enroll_agent(
             community.id, keys.public_key_bytes(agent_secret(host, name)), label=name
         )
     for flow_index, (flow_name, cause_kind) in enumerate(WORKFLOWS.items()):
@@ -305,7 +305,7 @@ def load_demo_data(*, using: str = DEFAULT_DB_ALIAS) -> DemoReport:
     _wait_until_expired(expiring, using)
     quiescing = Community.objects.using(using).get(host=QUIESCING_HOST)
     if quiescing.deletion_state == DeletionState.ACTIVE:
-        fence.transition_community(quiescing.id, DeletionState.QUIESCING, using=using)
+        services.transition_community(quiescing.id, DeletionState.QUIESCING, using=using)
         report.quiesced_hosts.append(QUIESCING_HOST)
     return report
 

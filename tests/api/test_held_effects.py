@@ -16,7 +16,7 @@ from tests.agent_http import pubkey
 from tests.api.helpers import Agent, answer, enrolled_secret, rows
 from workflow_delivery.api import nip98
 from workflow_delivery.models import AgentRequestReplay, Event, WorkflowAgentDelivery
-from workflow_delivery.roster import revoke_agent
+from workflow_delivery.services import revoke_agent
 
 pytestmark = [pytest.mark.django_db, pytest.mark.usefixtures("any_host")]
 

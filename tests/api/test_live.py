@@ -33,7 +33,7 @@ from workflow_delivery.protocol import (
     Settled,
 )
 from workflow_delivery.services import commit_deliveries
-from workflow_delivery.wakeups import WAKE_CHANNEL, format_wake
+from workflow_delivery.store.wake import WAKE_CHANNEL, format_wake
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.psycopg3]
 

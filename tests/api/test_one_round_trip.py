@@ -17,7 +17,7 @@ from django.db import connections
 from tests import factories
 from tests.agent_http import MOUNT
 from tests.api.helpers import Agent, answer, enrolled_secret
-from workflow_delivery import roster, services
+from workflow_delivery import services
 from workflow_delivery.api import nip98
 from workflow_delivery.models import AgentRequestReplay, WorkflowAgentDelivery
 from workflow_delivery.protocol import Lease
@@ -143,7 +143,7 @@ def test_a_revoked_key_settles_nothing_and_claims_nothing_with_next(client, agen
     ids = more(agent, 1)
     first = claim(client, agent)["lease"]
     (following,) = others(agent, ids, first)
-    roster.revoke_agent(agent.step.community.id, agent.pubkey)
+    services.revoke_agent(agent.step.community.id, agent.pubkey)
     body = {"generation": 1, "outcome": "finished", "next": True}
     answer(agent.call(client, "POST", finish_path(first), body), 401, "auth_revoked")
     assert stored(first["delivery_id"]) == ("pending", 2)  # released by the revocation
@@ -231,7 +231,7 @@ def test_a_waiting_claim_of_a_revoked_or_unknown_key_is_refused(client, agent):
     stranger = enrolled_secret(factories.community())
     refused = agent.call(client, "POST", "v1/claim", {"wait": 1}, secret_key=stranger)
     answer(refused, 401, "auth_unknown_agent")
-    roster.revoke_agent(agent.step.community.id, agent.pubkey)
+    services.revoke_agent(agent.step.community.id, agent.pubkey)
     answer(agent.call(client, "POST", "v1/claim", {"wait": 1}), 401, "auth_revoked")
     assert stored(agent.delivery.id) == ("pending", 0)
 
@@ -283,7 +283,9 @@ def test_a_key_revoked_while_its_claim_waits_claims_nothing(client, agent, setti
         error="busy",
         delay_seconds=1.0,
     )
-    revoker = _later(agent, 0.3, lambda: roster.revoke_agent(agent.step.community.id, agent.pubkey))
+    revoker = _later(
+        agent, 0.3, lambda: services.revoke_agent(agent.step.community.id, agent.pubkey)
+    )
     assert answer(agent.call(client, "POST", "v1/claim", {"wait": 2}), 204) is None
     revoker.join(10)
     assert stored(agent.delivery.id) == ("pending", 2)

@@ -21,7 +21,7 @@ from django.utils import timezone
 from tests import factories
 from tests.api.helpers import Agent, answer, rows
 from tests.races import run_together
-from workflow_delivery import fence, services
+from workflow_delivery import services
 from workflow_delivery.api import nip98
 from workflow_delivery.models import AgentRequestReplay, WorkflowAgentDelivery
 from workflow_delivery.store import statements
@@ -90,7 +90,7 @@ def test_purge_of_a_community_deletes_its_replay_rows():
     owner = factories.community()
     _replay(owner, 0)
     generation = factories.move_to(owner.id, "fenced")
-    deleted = fence.purge_community(owner.id, generation)
+    deleted = services.purge_community(owner.id, generation)
     assert deleted[AgentRequestReplay._meta.db_table] == 1
     assert AgentRequestReplay._meta.db_table in [table for table, _ in statements.PURGE]
     assert not AgentRequestReplay.objects.filter(community=owner).exists()

@@ -26,6 +26,7 @@ from ninja.errors import AuthenticationError, HttpError, ValidationError
 
 from .. import services, wire
 from ..conf import app_settings
+from ..errors import is_connection_lost
 from ..exceptions import (
     AgentAuthRefused,
     CommunityDeleting,
@@ -49,7 +50,6 @@ from ..protocol import (
     Settled,
     as_uuid,
 )
-from ..store.errors import is_connection_lost
 from ..store.run import one_transaction
 from ..validation import AGENT_TURN_TEXT_MAX_BYTES
 from . import schema

@@ -37,7 +37,8 @@ from django.db import Error as DatabaseError
 
 from ..conf import app_settings
 from ..models import WorkflowAgentDelivery
-from ..wakeups import ListenerSession, WakeListener, WakeNotice
+from ..store.wake import ListenerSession, WakeNotice
+from ..wakeups import WakeListener
 
 logger = logging.getLogger(__name__)
 

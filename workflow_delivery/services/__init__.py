@@ -7,7 +7,10 @@
 - ``maintenance``: the reaper's and the prune command's sweeps;
 - ``operator``: the admin's bulk release, fail and retry;
 - ``replay``: the signed API's request admission and replay guard;
-- ``replies``: an agent's reply to a delivery it holds, under its lease.
+- ``replies``: an agent's reply to a delivery it holds, under its lease;
+- ``communities``: create a community, or report the one that has its host;
+- ``fence``: the community lifecycle and the deletion executor;
+- ``roster``: a community's agent roster: enroll, revoke, reinstate.
 
 Import the functions from here. They own their transaction (or join the caller's),
 take the database clock for every time, and return frozen values from ``protocol``.
@@ -15,6 +18,15 @@ Expected outcomes (a miss, a lost lease) are values; database rule violations be
 named exceptions.
 """
 
+from .communities import create_community
+from .fence import (
+    PURGE_ATTEMPTS,
+    begin_deletion,
+    community_write_allowed,
+    executor_writes,
+    purge_community,
+    transition_community,
+)
 from .holder import (
     MAX_BATCH_SIZE,
     Held,
@@ -58,15 +70,18 @@ from .replay import (
     record_request_event,
 )
 from .replies import reply_to_delivery, run_replies, send_reply
+from .roster import enroll_agent, enroll_agents, reinstate_agent, revoke_agent
 from .sending import send_message
 
 __all__ = [
     "MAX_BATCH_SIZE",
+    "PURGE_ATTEMPTS",
     "Held",
     "StepIdentity",
     "admit",
     "admit_request_event",
     "admitted_community",
+    "begin_deletion",
     "checked_lease_seconds",
     "claim_admitted",
     "claim_batch_admitted",
@@ -74,8 +89,13 @@ __all__ = [
     "claim_delivery",
     "claim_enrolled",
     "commit_deliveries",
+    "community_write_allowed",
     "count_prunable",
+    "create_community",
     "delivery_identity",
+    "enroll_agent",
+    "enroll_agents",
+    "executor_writes",
     "fail_deliveries",
     "finish_admitted",
     "finish_and_claim_next",
@@ -90,10 +110,12 @@ __all__ = [
     "prune_deliveries",
     "prune_replay_guard",
     "prune_replay_guard_now_and_then",
+    "purge_community",
     "reap_deliveries",
     "reap_expired_deliveries",
     "record_request_event",
     "register_idle",
+    "reinstate_agent",
     "release_deliveries",
     "release_lease",
     "renew_admitted",
@@ -101,8 +123,10 @@ __all__ = [
     "reply_to_delivery",
     "retry_delivery",
     "retry_failed_deliveries",
+    "revoke_agent",
     "run_replies",
     "send_message",
     "send_reply",
+    "transition_community",
     "unregister_idle",
 ]

@@ -1,5 +1,5 @@
-"""Private helpers the service modules share: the attempt cap setting, the operator's
-name, and a transaction whose writes the timeline records under a named actor."""
+"""Helpers the service modules share: the attempt cap setting and a transaction
+whose writes the timeline records under a named actor."""
 
 from __future__ import annotations
 
@@ -15,21 +15,15 @@ from ..store import run, statements
 from ..validation import is_whole_number
 
 
-def _max_attempts() -> int | None:
+def max_attempts() -> int | None:
     cap = app_settings.MAX_ATTEMPTS
     if cap is not None and not (is_whole_number(cap) and cap >= 1):
         raise ProtocolError("WORKFLOW_DELIVERY_MAX_ATTEMPTS", f"must be None or >= 1, not {cap!r}")
     return cap
 
 
-def _operator(value: object) -> str:
-    if not isinstance(value, str) or not value.strip():
-        raise ProtocolError("operator", f"must be a non-blank name, not {value!r}")
-    return value
-
-
 @contextmanager
-def _transaction_as(actor: str, using: str) -> Iterator[Any]:
+def transaction_as(actor: str, using: str) -> Iterator[Any]:
     """A transaction (or the caller's) whose statements the timeline trigger records as
     done by ``actor``. The setting is transaction-local, and cleared at the end of the
     block in case the transaction is the caller's and goes on."""

@@ -49,9 +49,14 @@ from ..protocol import (
 )
 from ..store import rows, run, statements
 from ..store.errors import REQUEST_REFUSED
-from ..validation import LEASE_SECONDS_BOUND, is_delay_seconds, is_whole_number
-from ..wakeups import ListenerSession
-from ._common import _max_attempts
+from ..store.wake import ListenerSession
+from ..validation import (
+    LEASE_SECONDS_BOUND,
+    checked_public_keys,
+    is_delay_seconds,
+    is_whole_number,
+)
+from ._common import max_attempts
 from .replay import _admission_params, _stored_admission, admitted_community
 
 # A lease built only to check its fields: the database judges expiry by its own clock.
@@ -640,7 +645,7 @@ def retry_delivery(
     most = _backoff_setting("RETRY_BACKOFF_MAX_SECONDS")
     params.update(_error_params(report))
     params.update(
-        cap=_max_attempts(),
+        cap=max_attempts(),
         delay=None if delay_seconds is None else float(delay_seconds),
         base=base,
         most=most,
@@ -803,7 +808,7 @@ def register_idle(
     left by a consumer that died shows as such: its session is gone. Registering again
     renews the registration with the new session and time."""
     if session is not None and not isinstance(session, ListenerSession):
-        raise ProtocolError("session", "must be a wakeups.ListenerSession or None")
+        raise ProtocolError("session", "must be a store.wake.ListenerSession or None")
     _on_idle_targets(
         statements.REGISTER_IDLE,
         community_id,
@@ -832,9 +837,7 @@ def _on_idle_targets(
     """``statement`` on the community's idle registrations of ``targets`` (checked,
     each once, in key order), with ``params`` besides; nothing for no targets."""
     community_id = as_uuid("community_id", community_id)
-    if isinstance(targets, bytes | bytearray | str):
-        raise ProtocolError("targets", "must be a list of 32-byte public keys")
-    keys = sorted({as_bytes32("targets", target) for target in targets})
+    keys = sorted(set(checked_public_keys("targets", targets)))
     if not keys:
         return
     with run.cursor(using) as cursor:

@@ -16,22 +16,8 @@ from ..conf import app_settings
 from ..exceptions import ProtocolError
 from ..protocol import Reaped
 from ..store import run, statements
-from ..validation import is_whole_number, is_yield_ratio, parse_duration
-from ._common import _max_attempts
-
-
-def _batch_size(value: object, default: int) -> int:
-    size = default if value is None else value
-    if not (is_whole_number(size) and size >= 1):
-        raise ProtocolError("batch_size", f"must be a positive whole number, not {size!r}")
-    return size
-
-
-def _yield_ratio(value: object, default: float) -> float:
-    ratio = default if value is None else value
-    if not is_yield_ratio(ratio):
-        raise ProtocolError("yield_ratio", f"must be a number from 0 to 100, not {ratio!r}")
-    return ratio
+from ..validation import checked_batch_size, checked_yield_ratio, parse_duration
+from ._common import max_attempts
 
 
 def _batches(
@@ -77,9 +63,9 @@ def reap_deliveries(
     The sweep never waits on a tenant: a community whose deletion lock is held or
     queued for (a transition or purge in progress) is skipped for this batch, and
     ``on_locked(ids)`` is told which were skipped (only when some were)."""
-    size = _batch_size(batch_size, app_settings.REAP_BATCH_SIZE)
-    ratio = _yield_ratio(yield_ratio, app_settings.REAP_YIELD_RATIO)
-    cap = _max_attempts()
+    size = checked_batch_size(batch_size, app_settings.REAP_BATCH_SIZE)
+    ratio = checked_yield_ratio(yield_ratio, app_settings.REAP_YIELD_RATIO)
+    cap = max_attempts()
     reclaimed = exhausted = 0
 
     def batch() -> int:
@@ -138,8 +124,8 @@ def prune_deliveries(
     deletion lock is taken, is skipped inside the statement. Pending and claimed rows
     are never touched, whatever their age."""
     cutoff = prune_cutoff(older_than, using=using)
-    size = _batch_size(batch_size, app_settings.PRUNE_BATCH_SIZE)
-    ratio = _yield_ratio(yield_ratio, app_settings.PRUNE_YIELD_RATIO)
+    size = checked_batch_size(batch_size, app_settings.PRUNE_BATCH_SIZE)
+    ratio = checked_yield_ratio(yield_ratio, app_settings.PRUNE_YIELD_RATIO)
     total = 0
 
     def batch() -> int:

@@ -14,7 +14,7 @@ from ..models import REASON_MAX_LENGTH
 from ..protocol import as_uuid
 from ..store import run, statements
 from ..store.statement import Statement
-from ._common import _operator
+from ..validation import checked_operator
 
 
 def _operator_update(
@@ -26,7 +26,7 @@ def _operator_update(
 ) -> list[UUID]:
     community_id = as_uuid("community_id", community_id)
     ids = [as_uuid("delivery_id", value) for value in delivery_ids]
-    actor = "operator" if operator is None else f"operator:{_operator(operator)}"
+    actor = "operator" if operator is None else f"operator:{checked_operator(operator)}"
     if not ids:
         return []
     # The statement writes its timeline entries itself, by ``actor``.
@@ -85,7 +85,7 @@ def retry_failed_deliveries(
     params = {
         "community_id": community_id,
         "delivery_ids": ids,
-        "actor": f"operator:{_operator(operator)}",
+        "actor": f"operator:{checked_operator(operator)}",
         "reason": _reason(reason),
     }
     if not ids:

@@ -22,7 +22,7 @@ from ..exceptions import (
 )
 from ..protocol import AgentStanding, RequestAdmission, RequestEvent, as_bytes32, as_uuid
 from ..store import run, statements
-from ..validation import is_whole_number
+from ..validation import checked_batch_size, is_whole_number
 
 logger = logging.getLogger(__name__)
 
@@ -168,8 +168,7 @@ def prune_replay_guard(
     window (kept one extra window, so a request checked just before a prune cannot
     slip past its twin), in bounded batches; returns how many were deleted. A
     community being deleted is skipped, not waited for."""
-    if not (is_whole_number(batch_size) and batch_size >= 1):
-        raise ProtocolError("batch_size", f"must be a positive whole number, not {batch_size!r}")
+    checked_batch_size(batch_size)
     horizon = 2 * app_settings.API_MAX_CLOCK_SKEW_SECONDS
     total, batches = 0, 0
     while max_batches is None or batches < max_batches:

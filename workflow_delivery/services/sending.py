@@ -70,6 +70,7 @@ from ..protocol import (
 )
 from ..store.errors import database_errors
 from ..store.rows import RECORD_COLUMNS, record
+from ..validation import checked_text
 from .holder import MAX_BATCH_SIZE
 from .producer import delivery_identity
 
@@ -131,20 +132,8 @@ def _derived_run_id(community_id: UUID, key: str, using: str) -> UUID:
     return found
 
 
-def _text(field: str, value: object) -> str:
-    if not isinstance(value, str):
-        raise ProtocolError(field, f"must be a string, not {type(value).__name__}")
-    if "\x00" in value:
-        raise ProtocolError(field, "must not contain NUL characters")
-    try:
-        value.encode("utf-8")
-    except UnicodeEncodeError:
-        raise ProtocolError(field, "must be valid Unicode (no lone surrogates)") from None
-    return value
-
-
 def _key(value: object) -> str:
-    key = _text("idempotency_key", value)
+    key = checked_text("idempotency_key", value)
     if not 1 <= len(key) <= STEP_ID_MAX_LENGTH:
         raise ProtocolError(
             "idempotency_key", f"must be 1 to {STEP_ID_MAX_LENGTH} characters (it is the step id)"
@@ -194,7 +183,7 @@ def _tags(value: object) -> Tags:
     for index, tag in enumerate(value):
         if not isinstance(tag, list | tuple) or not tag:
             raise ProtocolError("tags", f"tag {index} must be a non-empty list of strings")
-        tags.append([_text("tags", item) for item in tag])
+        tags.append([checked_text("tags", item) for item in tag])
         if MESSAGE_V1_MARKER in tags[-1]:
             raise ProtocolError(
                 "tags",

@@ -1,15 +1,11 @@
-"""What a database error means, decided in one place: a domain exception by the
-constraint it names, a timeout by its SQLSTATE, or a lost session.
+"""A database error translated into the named fact it stands for, by the error
+classification of ``workflow_delivery.errors``:
 
-* *connection lost*: the session is gone (class 08, the server shutting down or
-  restarting, 57P01 to 57P03, or the session ended by
-  ``idle_in_transaction_session_timeout``, 25P03, ``idle_session_timeout``, 57P05,
-  or ``transaction_timeout``, 25P04), or the error came with the connection closed,
-  whatever its SQLSTATE: reconnect and retry.
 * *timeout*: ``lock_timeout`` (55P03) or ``statement_timeout`` / a cancel (57014):
   the statement was cancelled and the session is fine (``DeliveryTimeout``).
 * a constraint or trigger of the app (``wd_…``): its named fact.
-* anything else is not ours to classify: it is re-raised as it is.
+* anything else (a lost session included) is not ours to translate: it is re-raised
+  as it is.
 """
 
 from __future__ import annotations
@@ -17,13 +13,12 @@ from __future__ import annotations
 import re
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any
 from uuid import UUID
 
 from django.db import Error as DatabaseError
-from django.db import InterfaceError, OperationalError
 
 from ..counters import FENCE_REFUSALS
+from ..errors import TIMEOUT_STATES, sqlstate
 from ..exceptions import (
     CommunityNotFound,
     CommunityWriteFenced,
@@ -38,67 +33,8 @@ from ..exceptions import (
 )
 from ..models import WorkflowAgentDelivery
 
-try:
-    import psycopg
-except ImportError:  # Django on psycopg2
-    psycopg = None
-
-CONNECTION_LOST_STATES = frozenset({"57P01", "57P02", "57P03", "57P05", "25P03", "25P04"})
-TIMEOUT_STATES = frozenset({"55P03", "57014"})
-
-# The errors a lost session surfaces as (Django's, and psycopg's own below Django).
-CONNECTION_ERRORS: tuple[type[BaseException], ...] = (OperationalError, InterfaceError)
-_DRIVER_ERRORS: tuple[type[BaseException], ...] = ()
-if psycopg is not None:
-    CONNECTION_ERRORS += (psycopg.OperationalError, psycopg.InterfaceError)
-    _DRIVER_ERRORS += (psycopg.Error,)
-
 # What the agent API's served statements raise to refuse a request (migration 0018).
 REQUEST_REFUSED = "wd_request_refused"
-
-
-def sqlstate(exc: BaseException) -> str | None:
-    """The SQLSTATE of a driver error or of the Django error wrapping one."""
-    for candidate in (exc, exc.__cause__):
-        if candidate is None:
-            continue
-        code = getattr(candidate, "sqlstate", None) or getattr(candidate, "pgcode", None)
-        if code:
-            return str(code)
-    return None
-
-
-def is_connection_lost(exc: BaseException, connection: Any = None) -> bool:
-    """True when ``exc`` says the session is gone, so reconnecting is the cure. A
-    driver error without a SQLSTATE (the socket closed, the connection already
-    closed) counts as lost; a cancelled statement or a refused one does not.
-
-    ``connection`` (a Django connection, or a driver's) is the one the failed
-    statement ran on: a database error that left it closed is a lost session
-    whatever its SQLSTATE (a server that ends a session for a reason this module
-    does not know of yet)."""
-    code = sqlstate(exc)
-    if code is None:
-        return isinstance(exc, CONNECTION_ERRORS)
-    if code.startswith("08") or code in CONNECTION_LOST_STATES:
-        return True
-    return isinstance(exc, (DatabaseError, *_DRIVER_ERRORS)) and is_closed(connection)
-
-
-def is_closed(connection: Any) -> bool:
-    """True when ``connection`` (a Django connection, or a driver's) was open and its
-    driver now reports it closed or broken. A Django connection never opened, or
-    closed by Django, is not: nothing failed on it."""
-    raw = getattr(connection, "connection", connection)
-    if raw is None:
-        return False
-    return bool(getattr(raw, "closed", False)) or bool(getattr(raw, "broken", False))
-
-
-def is_timeout(exc: BaseException) -> bool:
-    """True when ``exc`` is a statement cancelled by lock_timeout or statement_timeout."""
-    return sqlstate(exc) in TIMEOUT_STATES
-
 
 _REFERENCE_CONSTRAINTS = {
     # (No key of its own for the community or the workflow: the run's key holds

@@ -15,6 +15,7 @@ from workflow_delivery import consumer as consumer_module
 from workflow_delivery.commandline import (
     VERBOSITY_LEVELS,
     community_option,
+    key_option,
     positive,
     stop_on_signals,
 )
@@ -90,14 +91,7 @@ class Command(BaseCommand):
         if options["all_enrolled"] == bool(options["target"]):
             raise CommandError("name the targets with --target, or serve --all-enrolled (one)")
         positive("--roster-interval", options["roster_interval"], whole=False)
-        targets = []
-        for value in options["target"] or ():
-            try:
-                targets.append(bytes.fromhex(value) if len(value) == 64 else b"")
-            except ValueError:
-                targets.append(b"")
-            if len(targets[-1]) != 32 or value != value.lower():
-                raise CommandError(f"--target must be 64 lowercase hex characters, not {value!r}")
+        targets = [key_option("--target", value) for value in options["target"] or ()]
         try:
             handler = import_string(options["handler"])
         except ImportError as exc:

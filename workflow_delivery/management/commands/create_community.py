@@ -7,7 +7,7 @@ from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError
 
-from workflow_delivery import communities
+from workflow_delivery import services
 from workflow_delivery.commandline import add_database_options, databases_option
 from workflow_delivery.exceptions import ProtocolError
 
@@ -26,7 +26,7 @@ class Command(BaseCommand):
     def handle(self, *args: Any, **options: Any) -> None:
         (alias,) = databases_option(options)
         try:
-            result = communities.create_community(options["host"], using=alias)
+            result = services.create_community(options["host"], using=alias)
         except ProtocolError as exc:
             raise CommandError(str(exc)) from exc
         if result.created:

@@ -7,7 +7,7 @@ from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError
 
-from workflow_delivery import roster
+from workflow_delivery import services
 from workflow_delivery.commandline import add_database_options, community_option, databases_option
 from workflow_delivery.exceptions import (
     AgentNotEnrolled,
@@ -64,7 +64,7 @@ class Command(BaseCommand):
         try:
             if options["revoke"]:
                 for key in keys:
-                    revocation = roster.revoke_agent(
+                    revocation = services.revoke_agent(
                         community_id, key, operator=options["operator"], using=alias
                     )
                     self.stdout.write(
@@ -73,10 +73,10 @@ class Command(BaseCommand):
             elif options["reinstate"]:
                 for key in keys:
                     self.stdout.write(
-                        _describe(roster.reinstate_agent(community_id, key, using=alias))
+                        _describe(services.reinstate_agent(community_id, key, using=alias))
                     )
             else:
-                entries = roster.enroll_agents(
+                entries = services.enroll_agents(
                     community_id, keys, label=options["label"], using=alias
                 )
                 for entry in entries:

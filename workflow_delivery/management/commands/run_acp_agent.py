@@ -11,7 +11,12 @@ from django.core.management.base import BaseCommand, CommandError
 
 from workflow_delivery.acp import AcpAgent, AgentStartError
 from workflow_delivery.acp.turns import add_turn_options
-from workflow_delivery.commandline import VERBOSITY_LEVELS, positive, stop_on_signals
+from workflow_delivery.commandline import (
+    VERBOSITY_LEVELS,
+    key_option,
+    positive,
+    stop_on_signals,
+)
 from workflow_delivery.exceptions import ProtocolError
 from workflow_delivery.models import Community
 from workflow_delivery.protocol import as_uuid
@@ -40,8 +45,7 @@ class Command(BaseCommand):
         using = options["database"]
         community = self._community(options["community"], using)
         agent = options["agent"]
-        if len(agent) != 64 or agent != agent.lower() or not _is_hex(agent):
-            raise CommandError(f"--agent must be 64 lowercase hex characters, not {agent!r}")
+        key_option("--agent", agent)
         positive("--lease-seconds", options["lease_seconds"], whole=True)
         positive("--concurrency", options["concurrency"], whole=True)
         positive("--poll-interval", options["poll_interval"], whole=False)
@@ -86,7 +90,3 @@ class Command(BaseCommand):
         if not Community.objects.using(using).filter(id=community_id).exists():
             raise CommandError(f"--community {community_id} does not exist")
         return community_id
-
-
-def _is_hex(text: str) -> bool:
-    return all(char in "0123456789abcdef" for char in text)

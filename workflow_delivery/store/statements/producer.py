@@ -8,9 +8,9 @@ from __future__ import annotations
 from functools import lru_cache
 
 from ...models import WorkflowAgentDelivery
-from ...wakeups import WAKE_CHANNEL
 from ..rows import RECORD_COLUMNS
 from ..statement import Statement
+from ..wake import WAKE_CHANNEL
 from .fragments import DELIVERIES, IDLE, requiring_write
 from .fragments import quote_name as _q
 
@@ -115,7 +115,7 @@ LOCK_AND_INSERT_SHARED_DELIVERIES = _insert(_SHARED_ROWS, lock=True)
 # pairs are deleted from the idle registry (so the next commit to them sends none
 # until a consumer registers again) and each is notified once, naming one of its new
 # rows. ``woken`` is a data-modifying CTE, so it runs whatever the outer query reads;
-# ``sent`` is materialized, so its NOTIFYs are queued exactly once. ``wakeups.payload``
+# ``sent`` is materialized, so its NOTIFYs are queued exactly once. ``wake.format_wake``
 # builds the same text.
 _WAKE_IDLE = f"""
 woken AS (

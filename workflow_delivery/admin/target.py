@@ -28,9 +28,9 @@ from django.urls import reverse
 from django.utils import timezone
 from django.utils.dateformat import format as date_format
 
-from .conf import app_settings
-from .models import DeletionState
-from .store import run, statements
+from ..conf import app_settings
+from ..models import DeletionState
+from ..store import run, statements
 
 if TYPE_CHECKING:
     from django.contrib.admin import ModelAdmin
