@@ -132,7 +132,7 @@ def embedded(session: nox.Session) -> None:
     _install(session, "6.1", "psycopg3", embedded=True)
     # An empty DATABASE_URL means the embedded server (buzz_project/embedded.py); its
     # data stays in .pgdata/18/ of the checkout between runs.
-    embedded = {"DATABASE_URL": "", "DJANGO_SETTINGS_MODULE": "tests.settings"}
+    embedded = {"DATABASE_URL": "", "DJANGO_SETTINGS_MODULE": "tests.support.settings"}
     session.run("python", "-c", EMBEDDED_IS_18, env=embedded)
     _pytest(session, DATABASE_URL="")
 

@@ -28,7 +28,7 @@ from pathlib import Path
 from bench import common
 
 ROOT = Path(__file__).resolve().parent.parent
-AGENT = [sys.executable, str(ROOT / "tests" / "acp_agent.py")]
+AGENT = [sys.executable, str(ROOT / "tests" / "support" / "acp_agent.py")]
 
 
 def _setup(label: str, count: int, content: str):

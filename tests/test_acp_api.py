@@ -1,6 +1,6 @@
 """The ACP runtime without the database: ``python -m workflow_delivery.acp`` as a
-process whose ``django`` imports are refused (``tests/acp_api_runner.py``), driving
-the scripted ACP agent (``tests/acp_agent.py``) with leases from the real agent API
+process whose ``django`` imports are refused (``tests/support/acp_api_runner.py``), driving
+the scripted ACP agent (``tests/support/acp_agent.py``) with leases from the real agent API
 (uvicorn serving the demo project over the test database). No protocol is mocked.
 The endpoints the runtime needs beyond claim, renew and finish (reply, replies,
 retry, release, finish with a reason) are also driven directly, by ``AgentClient``."""
@@ -18,9 +18,9 @@ from pathlib import Path
 
 import pytest
 
-from tests import factories
-from tests.agent_http import pubkey, secret, uvicorn_server
-from tests.consumers import eventually, status
+from tests.support import SUPPORT, factories
+from tests.support.agent_http import pubkey, secret, uvicorn_server
+from tests.support.consumers import eventually, status
 from workflow_delivery.client import AgentClient
 from workflow_delivery.exceptions import AgentApiError
 from workflow_delivery.models import AgentTurn, Event, WorkflowAgentDelivery
@@ -43,9 +43,9 @@ ROOT = Path(__file__).resolve().parent.parent
 # that venv); by default this one, with Django refused by the runner.
 RUNNER = [
     os.environ.get("ACP_CLIENT_PYTHON") or sys.executable,
-    str(Path(__file__).with_name("acp_api_runner.py")),
+    str(SUPPORT / "acp_api_runner.py"),
 ]
-AGENT = [sys.executable, str(Path(__file__).with_name("acp_agent.py"))]
+AGENT = [sys.executable, str(SUPPORT / "acp_agent.py")]
 SECRET_VARIABLE = "WD_TEST_AGENT_SECRET"
 # Generous on a loaded machine: the agent's interpreter starts and imports two SDKs.
 HANDSHAKE = "60"

@@ -1,5 +1,5 @@
 """``manage.py run_acp_agent`` as a subprocess driving the scripted ACP agent
-(``tests/acp_agent.py``): bad agents are clear errors before any claim, SIGTERM
+(``tests/support/acp_agent.py``): bad agents are clear errors before any claim, SIGTERM
 gives the turn's lease back and exits 0."""
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from tests import factories
-from tests.agent_http import database_url
-from tests.consumers import eventually, status
+from tests.support import SUPPORT, factories
+from tests.support.agent_http import database_url
+from tests.support.consumers import eventually, status
 from workflow_delivery.models import WorkflowAgentDelivery
 from workflow_delivery.protocol import DeliveryStatus
 from workflow_delivery.services import send_message
@@ -22,7 +22,7 @@ from workflow_delivery.services import send_message
 pytestmark = pytest.mark.django_db(transaction=True)
 
 ROOT = Path(__file__).resolve().parent.parent
-AGENT = [sys.executable, str(Path(__file__).with_name("acp_agent.py"))]
+AGENT = [sys.executable, str(SUPPORT / "acp_agent.py")]
 
 
 @pytest.fixture

@@ -1,5 +1,5 @@
 """The ACP runtime in process (``workflow_delivery.acp.AcpAgent``) driving the scripted
-agent (``tests/acp_agent.py``), a real process speaking ACP over stdio, with its MCP
+agent (``tests/support/acp_agent.py``), a real process speaking ACP over stdio, with its MCP
 tools called by the agent through a real MCP client session."""
 
 from __future__ import annotations
@@ -8,14 +8,13 @@ import os
 import sys
 import threading
 import time
-from pathlib import Path
 
 import pytest
 from django.db import connection
 from django.test import override_settings
 
-from tests import admin_pages, factories
-from tests.consumers import eventually, status
+from tests.support import SUPPORT, admin_pages, factories
+from tests.support.consumers import eventually, status
 from workflow_delivery.acp import AcpAgent, AgentStartError
 from workflow_delivery.models import Event, WorkflowAgentDelivery
 from workflow_delivery.protocol import DeliveryStatus
@@ -24,7 +23,7 @@ from workflow_delivery.services import get_delivery, send_message
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
-AGENT = [sys.executable, str(Path(__file__).with_name("acp_agent.py"))]
+AGENT = [sys.executable, str(SUPPORT / "acp_agent.py")]
 
 
 @pytest.fixture

@@ -1,5 +1,5 @@
 """What an ACP agent says in a turn is kept: the runtime (``AcpAgent``) driving the
-scripted agent (``tests/acp_agent.py``, a real process speaking ACP over stdio) stores
+scripted agent (``tests/support/acp_agent.py``, a real process speaking ACP over stdio) stores
 each attempt's streamed text, tool calls and permission requests with the settle of
 that attempt, bounded by ``WORKFLOW_DELIVERY_ACP_TRANSCRIPT_BYTES``, and the admin
 shows them, escaped, on the delivery's page and its timeline."""
@@ -13,8 +13,8 @@ from django.core.checks import run_checks
 from django.db import DatabaseError
 from django.test import override_settings
 
-from tests import admin_pages, factories
-from tests.consumers import eventually, status
+from tests.support import admin_pages, factories
+from tests.support.consumers import eventually, status
 from tests.test_acp_runtime import Driving, acp_agent, record, send, settled
 from workflow_delivery.acp import Turn
 from workflow_delivery.conf import WorkflowDeliveryConfigurationError

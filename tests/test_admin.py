@@ -9,8 +9,8 @@ from django.db import connection
 from django.test.utils import CaptureQueriesContext
 from django.urls import reverse
 
-from tests import factories
-from tests.admin_pages import (
+from tests.support import factories
+from tests.support.admin_pages import (
     change,
     changelist,
     claim,

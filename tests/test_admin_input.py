@@ -9,7 +9,7 @@ import pytest
 from django.contrib.admin.models import LogEntry
 from django.urls import reverse
 
-from tests import factories
+from tests.support import factories
 from workflow_delivery import admin as admin_module
 from workflow_delivery import services
 from workflow_delivery.models import Community, Event, StatementTimestamp, WorkflowAgentDelivery

@@ -10,8 +10,8 @@ import pytest
 from django.db.models import Count
 from django.urls import reverse
 
-from tests import factories
-from tests.admin_pages import (
+from tests.support import factories
+from tests.support.admin_pages import (
     change,
     changelist,
     claim,

@@ -13,8 +13,8 @@ from django.db import connection
 from django.test import override_settings
 from django.test.utils import CaptureQueriesContext
 
-from tests import factories
-from tests.admin_pages import change, changelist, claim, committed, expire, grant
+from tests.support import factories
+from tests.support.admin_pages import change, changelist, claim, committed, expire, grant
 from workflow_delivery import admin_target, fence, services
 from workflow_delivery.admin_target import read_target_state, target_url, when
 from workflow_delivery.models import IdleWakeTarget, WorkflowAgentDelivery

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests import factories
+from tests.support import factories
 from workflow_delivery.metrics import exposition
 
 RULES = Path(__file__).resolve().parent.parent / "docs" / "howto" / "alert-rules.yml"

@@ -23,7 +23,7 @@ from django.core.management import CommandError, call_command
 from django.db import DatabaseError, connection, transaction
 
 from buzz_project.demo import app_role as app_roles
-from tests import factories
+from tests.support import factories
 from workflow_delivery import errors, fence, roster, services
 from workflow_delivery.exceptions import ExecutorNotAuthorized, TargetNotEnrolled
 from workflow_delivery.models import Community, CommunityAgent, WorkflowAgentDelivery

@@ -11,8 +11,8 @@ import pytest
 from django.core.management import call_command
 from django.test import override_settings
 
-from tests import factories
-from tests.delivery_rows import claim, expire, one_delivery, raw_sql, row, timeline
+from tests.support import factories
+from tests.support.delivery_rows import claim, expire, one_delivery, raw_sql, row, timeline
 from workflow_delivery import fence, services
 from workflow_delivery.exceptions import ConstraintViolation
 from workflow_delivery.protocol import LeaseLost, Reaped, Settled

@@ -11,9 +11,9 @@ import pytest
 from django.db import connection, transaction
 from django.test import override_settings
 
-from tests import factories
-from tests.locks import wait_until_blocked
-from tests.races import (
+from tests.support import factories
+from tests.support.locks import wait_until_blocked
+from tests.support.races import (
     Session,
     begin,
     commit,

@@ -13,7 +13,7 @@ from selenium.webdriver.common.by import By
 from selenium.webdriver.support import expected_conditions
 from selenium.webdriver.support.ui import WebDriverWait
 
-from tests import factories
+from tests.support import factories
 from workflow_delivery import services
 
 CHROMIUM = Path("/usr/bin/chromium")

@@ -8,9 +8,9 @@ import time
 import pytest
 from django.db import connection
 
-from tests import factories
-from tests.locks import QUICK
-from tests.second_session import other
+from tests.support import factories
+from tests.support.locks import QUICK
+from tests.support.second_session import other
 from workflow_delivery import services
 from workflow_delivery.models import WorkflowAgentDelivery
 

@@ -18,8 +18,8 @@ from django.core.management import CommandError, call_command
 from django.db import connection, connections
 
 from buzz_project.demo import data as demo
-from tests import factories
-from tests.sessions import other_sessions
+from tests.support import factories
+from tests.support.sessions import other_sessions
 from workflow_delivery import fence, keys, roster, services
 from workflow_delivery.models import WorkflowAgentDelivery
 from workflow_delivery.reaper import logger as reaper_logger

@@ -12,9 +12,9 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 from django.db import DatabaseError, connection, transaction
 
-from tests import factories
-from tests.delivery_rows import COPY_DELIVERIES, counts, run_raw
-from tests.locks import wait_until_blocked
+from tests.support import factories
+from tests.support.delivery_rows import COPY_DELIVERIES, counts, run_raw
+from tests.support.locks import wait_until_blocked
 from workflow_delivery import services
 from workflow_delivery.exceptions import (
     IsolationLevelError,

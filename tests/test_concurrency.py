@@ -17,8 +17,8 @@ from itertools import pairwise
 import pytest
 from django.db import connection, transaction
 
-from tests import factories
-from tests.races import (
+from tests.support import factories
+from tests.support.races import (
     GIVE_UP_SECONDS,
     Session,
     begin,

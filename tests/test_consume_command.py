@@ -13,13 +13,13 @@ from django.core.management import CommandError, call_command
 from django.db import connection
 from django.test import override_settings
 
-from tests import factories
-from tests.consumer_handlers import CREATE_EFFECTS, EFFECTS
+from tests.support import factories
+from tests.support.consumer_handlers import CREATE_EFFECTS, EFFECTS
 from workflow_delivery.models import WorkflowAgentDelivery
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
-HANDLERS = "tests.consumer_handlers"
+HANDLERS = "tests.support.consumer_handlers"
 
 
 @pytest.fixture
@@ -102,9 +102,9 @@ def test_sigterm_stops_it_cleanly():
         (["--target", "ab"], "--target must be 64 lowercase hex"),
         (["--target", "AB" * 32], "--target must be 64 lowercase hex"),
         (["--target", "zz" * 32], "--target must be 64 lowercase hex"),
-        (["--handler", "tests.consumer_handlers.missing"], "cannot be imported"),
+        (["--handler", "tests.support.consumer_handlers.missing"], "cannot be imported"),
         (["--handler", "nodots"], "cannot be imported"),
-        (["--handler", "tests.consumer_handlers.not_callable"], "is not callable"),
+        (["--handler", "tests.support.consumer_handlers.not_callable"], "is not callable"),
         (["--lease-seconds", "0"], "--lease-seconds must be a positive whole number"),
         (["--lease-seconds", "99999999"], "lease_seconds: must be between"),
         (["--concurrency", "0"], "--concurrency must be a positive whole number"),

@@ -9,10 +9,10 @@ from collections.abc import Iterator
 import pytest
 from django.db import connection, transaction
 
-from tests import factories
-from tests.consumer_handlers import CREATE_EFFECTS, EFFECTS, write_effect
-from tests.consumers import Recorder, Running, consumer_for, eventually, started, status
-from tests.sessions import listening_sessions
+from tests.support import factories
+from tests.support.consumer_handlers import CREATE_EFFECTS, EFFECTS, write_effect
+from tests.support.consumers import Recorder, Running, consumer_for, eventually, started, status
+from tests.support.sessions import listening_sessions
 from workflow_delivery import services
 from workflow_delivery.consumer import Consumer
 from workflow_delivery.exceptions import LeaseNotLive, ProtocolError

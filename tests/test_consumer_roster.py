@@ -9,8 +9,8 @@ import uuid
 
 import pytest
 
-from tests import factories
-from tests.consumers import Recorder, Running, eventually, status
+from tests.support import factories
+from tests.support.consumers import Recorder, Running, eventually, status
 from workflow_delivery import roster, services
 from workflow_delivery.consumer import Consumer
 from workflow_delivery.exceptions import ProtocolError

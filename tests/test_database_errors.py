@@ -17,9 +17,9 @@ from django.db import (
     transaction,
 )
 
-from tests import factories
-from tests.locks import expire_all, key_of
-from tests.second_session import other
+from tests.support import factories
+from tests.support.locks import expire_all, key_of
+from tests.support.second_session import other
 from workflow_delivery import errors, services
 from workflow_delivery.commandline import StopRequest
 from workflow_delivery.exceptions import DeliveryTimeout

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from django.db import connections
 
-from tests.markdown_examples import blocks
+from tests.support.markdown_examples import blocks
 
 ROOT = Path(__file__).resolve().parent.parent
 PAGES = sorted([ROOT / "README.md", *(ROOT / "docs").rglob("*.md")])

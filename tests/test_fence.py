@@ -7,8 +7,8 @@ import uuid
 import pytest
 from django.db import DatabaseError, connection, transaction
 
-from tests import factories
-from tests.delivery_rows import COPY_DELIVERIES, counts, run_raw
+from tests.support import factories
+from tests.support.delivery_rows import COPY_DELIVERIES, counts, run_raw
 from workflow_delivery import fence, services
 from workflow_delivery.exceptions import (
     CommunityWriteFenced,

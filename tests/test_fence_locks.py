@@ -15,9 +15,9 @@ import psycopg
 import pytest
 from django.db import connection, transaction
 
-from tests import factories
-from tests.locks import wait_until_blocked
-from tests.second_session import other
+from tests.support import factories
+from tests.support.locks import wait_until_blocked
+from tests.support.second_session import other
 from workflow_delivery import fence, services
 from workflow_delivery.models import Community, Workflow, WorkflowAgentDelivery
 

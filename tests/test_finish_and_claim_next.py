@@ -16,9 +16,9 @@ from collections import Counter
 import pytest
 from django.db import connection, transaction
 
-from tests import factories
-from tests.delivery_rows import entries, expire, row, stored, timeline
-from tests.races import (
+from tests.support import factories
+from tests.support.delivery_rows import entries, expire, row, stored, timeline
+from tests.support.races import (
     GIVE_UP_SECONDS,
     Session,
     begin,

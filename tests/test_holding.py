@@ -17,8 +17,8 @@ from uuid import UUID
 import pytest
 from django.db import connection, transaction
 
-from tests import factories
-from tests.consumers import Running, consumer_for
+from tests.support import factories
+from tests.support.consumers import Running, consumer_for
 from workflow_delivery import services
 from workflow_delivery.exceptions import LeaseNotLive, ProtocolError
 from workflow_delivery.models import WorkflowAgentDelivery

@@ -16,8 +16,8 @@ from typing import Any
 import pytest
 from django.db import DatabaseError, InterfaceError, OperationalError, connection
 
-from tests import factories
-from tests.sessions import backend_pid, terminate
+from tests.support import factories
+from tests.support.sessions import backend_pid, terminate
 from workflow_delivery import fence, services
 from workflow_delivery.exceptions import CommunityWriteFenced, WorkflowDeliveryError
 from workflow_delivery.models import Community, Event, WorkflowAgentDelivery, WorkflowRun

@@ -13,9 +13,9 @@ from decimal import Decimal
 import pytest
 from django.db import DataError, IntegrityError, connection, transaction
 
-from tests import factories
-from tests.admin_pages import change
-from tests.consumers import Recorder, Running, eventually
+from tests.support import factories
+from tests.support.admin_pages import change
+from tests.support.consumers import Recorder, Running, eventually
 from workflow_delivery import services
 from workflow_delivery.consumer import Consumer
 from workflow_delivery.content import MAX_JSON_DEPTH, content_size, encode_content

@@ -14,8 +14,8 @@ import pytest
 from django.db import OperationalError, connection, transaction
 from django.test import override_settings
 
-from tests import factories
-from tests.sessions import backend_pid, terminate
+from tests.support import factories
+from tests.support.sessions import backend_pid, terminate
 from workflow_delivery import fence, services
 from workflow_delivery.exceptions import (
     CommunityWriteFenced,

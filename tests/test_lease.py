@@ -10,7 +10,7 @@ import uuid
 import pytest
 from django.db import connection, transaction
 
-from tests import factories
+from tests.support import factories
 from workflow_delivery import checks, services
 from workflow_delivery.exceptions import InvalidLeaseSeconds, ProtocolError
 from workflow_delivery.models import WorkflowAgentDelivery

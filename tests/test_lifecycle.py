@@ -15,7 +15,7 @@ import pytest
 from django.db import DatabaseError, transaction
 from django.test import override_settings
 
-from tests import factories
+from tests.support import factories
 from workflow_delivery import services
 from workflow_delivery.conf import app_settings
 from workflow_delivery.exceptions import (

@@ -10,7 +10,7 @@ from django.db import connection
 from django.db.models import Count, Min
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests import factories
+from tests.support import factories
 from workflow_delivery import fence, services
 from workflow_delivery.exceptions import CommunityWriteFenced, LeaseNotLive
 from workflow_delivery.models import Community, WorkflowAgentDelivery

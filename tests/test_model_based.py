@@ -31,7 +31,7 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
-from tests import factories
+from tests.support import factories
 from workflow_delivery import fence, services
 from workflow_delivery.exceptions import CommunityWriteFenced, InvalidLifecycleTransition
 from workflow_delivery.models import Community, WorkflowAgentDelivery

@@ -13,7 +13,7 @@ from django.core.management import call_command
 from django.db import connection, connections
 from django.test import override_settings
 
-from tests import factories
+from tests.support import factories
 from workflow_delivery import roster, routing, services
 from workflow_delivery.models import Community, Event, Workflow, WorkflowAgentDelivery, WorkflowRun
 from workflow_delivery.protocol import MESSAGE_KIND, MESSAGE_V1_MARKER, EventCause

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import time
 
-from tests import factories
-from tests.locks import QUICK, expire_all, key_of, statuses
-from tests.second_session import other
+from tests.support import factories
+from tests.support.locks import QUICK, expire_all, key_of, statuses
+from tests.support.second_session import other
 from workflow_delivery import services
 from workflow_delivery.models import WorkflowAgentDelivery
 from workflow_delivery.protocol import LeaseLost, Outcome

@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 from django.test import override_settings
 
-from tests import factories
-from tests.delivery_rows import claim, expire, one_delivery, raw_sql, row, timeline
+from tests.support import factories
+from tests.support.delivery_rows import claim, expire, one_delivery, raw_sql, row, timeline
 from workflow_delivery import fence, services
 from workflow_delivery.exceptions import CommunityWriteFenced, ConstraintViolation, ProtocolError
 from workflow_delivery.models import DeliveryTransition, WorkflowAgentDelivery

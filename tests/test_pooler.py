@@ -11,8 +11,8 @@ from django.db import connection, connections
 from django.db.backends.postgresql.base import DatabaseWrapper
 from django.test import override_settings
 
-from tests import factories
-from tests.pgbouncer import pgbouncer, real_server
+from tests.support import factories
+from tests.support.pgbouncer import pgbouncer, real_server
 from workflow_delivery import services
 from workflow_delivery.models import WorkflowAgentDelivery
 

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import pytest
 
-from tests import factories
-from tests.locks import key_of
-from tests.second_session import other
+from tests.support import factories
+from tests.support.locks import key_of
+from tests.support.second_session import other
 from workflow_delivery import fence
 from workflow_delivery.exceptions import ProtocolError
 from workflow_delivery.store import statements

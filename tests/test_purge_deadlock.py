@@ -20,9 +20,9 @@ from typing import Any
 import pytest
 from django.db import DatabaseError, connection, transaction
 
-from tests import factories
-from tests.locks import wait_until_blocked
-from tests.races import scalar
+from tests.support import factories
+from tests.support.locks import wait_until_blocked
+from tests.support.races import scalar
 from workflow_delivery import fence, services
 from workflow_delivery.exceptions import CommunityWriteFenced, LeaseNotLive, PurgeDeadlocked
 from workflow_delivery.models import Community, WorkflowAgentDelivery

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.markdown_examples import blocks
+from tests.support.markdown_examples import blocks
 from workflow_delivery.history import delivery_history
 from workflow_delivery.models import WorkflowAgentDelivery
 

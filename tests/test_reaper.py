@@ -12,9 +12,9 @@ import uuid
 import pytest
 from django.db import connection
 
-from tests import factories
-from tests.locks import QUICK, expire_all, key_of, statuses, wait_until_blocked
-from tests.second_session import other
+from tests.support import factories
+from tests.support.locks import QUICK, expire_all, key_of, statuses, wait_until_blocked
+from tests.support.second_session import other
 from workflow_delivery import checks, fence, services
 from workflow_delivery.models import WorkflowAgentDelivery
 from workflow_delivery.reaper import Reaper

@@ -13,7 +13,7 @@ import pytest
 from django.core.management import CommandError, call_command
 from django.db import connection, connections
 
-from tests import factories
+from tests.support import factories
 from workflow_delivery import fence, services
 from workflow_delivery.exceptions import ProtocolError
 from workflow_delivery.models import DeliveryTransition, WorkflowAgentDelivery

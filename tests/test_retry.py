@@ -16,7 +16,7 @@ from django.db import connection, transaction
 from django.test import Client, override_settings
 from django.urls import reverse
 
-from tests import factories
+from tests.support import factories
 from workflow_delivery import checks, history, services, wire
 from workflow_delivery.api.wake import hub
 from workflow_delivery.consumer import Consumer, PermanentFailure
@@ -449,7 +449,7 @@ def test_a_retry_entry_always_carries_an_error():
 
 @pytest.mark.psycopg3  # the agent API's test helpers sign with the bench's psycopg 3 tools
 def test_get_delivery_and_the_api_document_carry_the_last_error(settings):
-    from tests.agent_http import pubkey, secret, signed
+    from tests.support.agent_http import pubkey, secret, signed
 
     settings.ALLOWED_HOSTS = ["*"]
     key = secret()

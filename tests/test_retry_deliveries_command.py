@@ -13,7 +13,7 @@ import pytest
 from django.core.management import CommandError, call_command
 from django.db import connection
 
-from tests import factories
+from tests.support import factories
 from workflow_delivery import services
 from workflow_delivery.models import DeliveryTransition, WorkflowAgentDelivery
 

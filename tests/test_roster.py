@@ -16,7 +16,7 @@ from django.core.management import CommandError, call_command
 from django.db import DatabaseError, IntegrityError, connection, connections, transaction
 from django.test import Client
 
-from tests import factories
+from tests.support import factories
 from workflow_delivery import errors, fence, roster, services
 from workflow_delivery.exceptions import (
     AgentNotEnrolled,
@@ -329,7 +329,7 @@ def waits_on_an_advisory_lock(seconds: float = 10) -> bool:
 def http():
     """The signed-request helpers (imported here: they pull in the bench harness, which
     needs psycopg 3)."""
-    from tests import agent_http
+    from tests.support import agent_http
 
     return agent_http.pubkey, agent_http.secret, agent_http.signed
 

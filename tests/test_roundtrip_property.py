@@ -9,7 +9,7 @@ from django.db import transaction
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests import factories
+from tests.support import factories
 from workflow_delivery import services
 from workflow_delivery.models import Community, Event, Workflow, WorkflowRun
 from workflow_delivery.protocol import (

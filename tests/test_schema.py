@@ -8,7 +8,7 @@ from datetime import timedelta
 import pytest
 from django.db import IntegrityError, connection, transaction
 
-from tests import factories
+from tests.support import factories
 from workflow_delivery.models import Community, Event, Workflow, WorkflowAgentDelivery, WorkflowRun
 
 INSERT = """

@@ -13,8 +13,8 @@ import pytest
 from django.db import connection, connections, transaction
 from django.test import Client
 
-from tests import factories
-from tests.races import run_together
+from tests.support import factories
+from tests.support.races import run_together
 from workflow_delivery import services
 from workflow_delivery.exceptions import (
     CommunityNotFound,
@@ -399,7 +399,7 @@ def test_it_sends_an_existing_event_to_its_targets_only():
 
 @pytest.mark.psycopg3  # the API's test helpers import the bench harness (psycopg 3)
 def test_each_target_claims_its_delivery_and_reads_the_message(settings):
-    from tests.agent_http import pubkey, secret, signed
+    from tests.support.agent_http import pubkey, secret, signed
 
     settings.ALLOWED_HOSTS = ["*"]
     owner = factories.community()

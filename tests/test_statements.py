@@ -16,7 +16,7 @@ from django.db.transaction import TransactionManagementError
 from django.test import override_settings
 from django.test.utils import CaptureQueriesContext
 
-from tests import factories
+from tests.support import factories
 from workflow_delivery import fence, services
 from workflow_delivery.conf import app_settings
 from workflow_delivery.exceptions import CommunityWriteFenced, ProtocolError

@@ -14,8 +14,8 @@ from django.db import connection, transaction
 from django.test import override_settings
 from django.urls import reverse
 
-from tests import factories
-from tests.delivery_rows import (
+from tests.support import factories
+from tests.support.delivery_rows import (
     COPY_DELIVERIES,
     claim,
     entries,

@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 from django.db import connection
 
-from tests import factories
+from tests.support import factories
 from workflow_delivery.models import Event, WorkflowAgentDelivery
 
 ROOT = Path(__file__).resolve().parent.parent

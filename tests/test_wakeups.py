@@ -17,8 +17,8 @@ from django.core.management import call_command
 from django.core.management.base import SystemCheckError
 from django.db import connection, transaction
 
-from tests import factories
-from tests.consumers import Recorder, Running, consumer_for, eventually, started, status
+from tests.support import factories
+from tests.support.consumers import Recorder, Running, consumer_for, eventually, started, status
 from workflow_delivery import services
 from workflow_delivery.conf import WorkflowDeliveryConfigurationError
 from workflow_delivery.exceptions import CommunityWriteFenced

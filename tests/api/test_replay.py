@@ -18,9 +18,9 @@ from django.db import connection, connections, transaction
 from django.test import Client
 from django.utils import timezone
 
-from tests import factories
 from tests.api.helpers import Agent, answer, rows
-from tests.races import run_together
+from tests.support import factories
+from tests.support.races import run_together
 from workflow_delivery import fence, services
 from workflow_delivery.api import nip98
 from workflow_delivery.models import AgentRequestReplay, WorkflowAgentDelivery

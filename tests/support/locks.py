@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 from django.db import connection
 
-from tests import factories
+from tests.support import factories
 from workflow_delivery import services
 from workflow_delivery.models import WorkflowAgentDelivery
 

@@ -7,7 +7,7 @@ import uuid
 from django.contrib.auth.models import Permission
 from django.urls import reverse
 
-from tests import factories
+from tests.support import factories
 from workflow_delivery import services
 from workflow_delivery.models import WorkflowAgentDelivery
 from workflow_delivery.protocol import Lease

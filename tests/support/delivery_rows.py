@@ -7,7 +7,7 @@ import uuid
 
 from django.db import connection, transaction
 
-from tests import factories
+from tests.support import factories
 from workflow_delivery import history, services
 from workflow_delivery.models import DeliveryTransition, WorkflowAgentDelivery
 from workflow_delivery.store.errors import database_errors

@@ -10,8 +10,8 @@ from typing import Any
 
 from django.db import connection
 
-from tests import factories
-from tests.sessions import other_sessions
+from tests.support import factories
+from tests.support.sessions import other_sessions
 from workflow_delivery import wakeups
 from workflow_delivery.consumer import Consumer, ConsumerStats, DeliveryContext
 from workflow_delivery.models import WorkflowAgentDelivery

@@ -1,6 +1,6 @@
 """``python -m workflow_delivery.acp`` as an agent's machine without Django runs it:
 every ``django`` import refused before the module runs, the arguments passed on.
-The API runner's tests start it as ``python tests/acp_api_runner.py <arguments>``."""
+The API runner's tests start it as ``python tests/support/acp_api_runner.py <arguments>``."""
 
 from __future__ import annotations
 

@@ -8,8 +8,8 @@ from ``pg_dump``, whose output changes between client versions; every section is
 by name, so the order the migrations created things in does not show, except the order
 of a table's columns, which is the table's own.
 
-    python -m tests.schema_catalog            print the text of a fresh database
-    python -m tests.schema_catalog --write    rewrite workflow_delivery/schema.sql
+    python -m tests.support.schema_catalog            print the text of a fresh database
+    python -m tests.support.schema_catalog --write    rewrite workflow_delivery/schema.sql
 
 Both create a scratch database beside the configured one (``DATABASE_URL``'s server, or
 the embedded one), migrate it, read it and drop it.
@@ -23,7 +23,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-SCHEMA_SQL = Path(__file__).resolve().parent.parent / "workflow_delivery" / "schema.sql"
+SCHEMA_SQL = Path(__file__).resolve().parents[2] / "workflow_delivery" / "schema.sql"
 
 HEADER = """\
 -- The schema of the workflow_delivery app after its migrations, as PostgreSQL's
@@ -250,7 +250,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--write", action="store_true", help=f"rewrite {SCHEMA_SQL.name}")
     args = parser.parse_args(argv)
-    os.environ.setdefault("DJANGO_SETTINGS_MODULE", "tests.settings")
+    os.environ.setdefault("DJANGO_SETTINGS_MODULE", "tests.support.settings")
     text = fresh_schema_text()
     if args.write:
         SCHEMA_SQL.write_text(text)

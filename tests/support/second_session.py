@@ -10,7 +10,7 @@ from contextlib import contextmanager
 import psycopg
 from django.db import connection
 
-from tests.locks import LOCK_TIMEOUT
+from tests.support.locks import LOCK_TIMEOUT
 
 
 def dsn() -> str:
