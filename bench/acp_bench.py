@@ -10,7 +10,7 @@ scripted agent, in a scratch database of its own (``bench.common.bench_database`
 - lease lost (the key revoked) -> ``session/cancel`` sent, and no reply committed
   after the loss.
 
-Kills of the agent and of the runtime are ``tests/test_chaos_acp.py`` (``--kills``
+Kills of the agent and of the runtime are ``tests/harness/test_chaos_acp.py`` (``--kills``
 here would repeat it). Usage: ``python -m bench.acp_bench [--deliveries N]``.
 """
 

@@ -51,7 +51,7 @@ _RETURNING = ", ".join(f"d.{_q(column)}" for column in RECORD_COLUMNS)
 
 # wd_community_deletion_key(column) written out: a call of that
 # function (its search_path pinned, so never inlined) costs the hot path more than
-# the lock it names. tests/test_purge_deadlock.py holds the two equal.
+# the lock it names. tests/services/test_purge_deadlock.py holds the two equal.
 DELETION_KEY = "hashtextextended('workflow_delivery.community_deletion:' || {column}::text, 0)"
 
 

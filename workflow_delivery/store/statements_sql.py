@@ -4,7 +4,7 @@ A reviewer reads the SQL the app runs top to bottom in one file (procrastinate's
 ``-- name: ... --`` style); fragments and builders stay in ``statements``. Names are
 sorted; a dictionary or list of statements gives one entry per key or position.
 ``python -m workflow_delivery.store.statements_sql --write`` rewrites the file, and
-``tests/test_statements_sql.py`` fails while the two disagree.
+``tests/store/test_statements_sql.py`` fails while the two disagree.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 A block runs when the HTML comment right above its fence carries ``run``
 (``<!-- example: run -->``). A page's blocks run in order in one namespace, after the
 tutorial's block marked ``setup``, so they may use the names it defines. The README's
-block marked ``first`` stands alone; ``tests/test_readme_example.py`` runs it. A page
+block marked ``first`` stands alone; ``tests/docs/test_readme_example.py`` runs it. A page
 with a block marked ``http`` also gets ``base_url`` (the agent API at the setup's
 community host on the live server) and ``served_at`` (that server's address).
 """
@@ -18,7 +18,7 @@ from django.db import connections
 
 from tests.support.markdown_examples import blocks
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 PAGES = sorted([ROOT / "README.md", *(ROOT / "docs").rglob("*.md")])
 PAGES = [page for page in PAGES if "_build" not in page.parts]
 TUTORIAL = ROOT / "docs" / "tutorial.md"

@@ -82,7 +82,7 @@ def test_operator_logs_in_filters_by_status_and_opens_a_delivery(
     assert "claimed" in detail
 
 
-SCREENSHOTS = Path(__file__).resolve().parent / "screenshots"
+SCREENSHOTS = Path(__file__).resolve().parents[1] / "screenshots"
 
 
 @pytest.fixture

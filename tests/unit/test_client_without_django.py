@@ -11,7 +11,7 @@ from pathlib import Path
 
 from workflow_delivery.api import nip98
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 # The client's whole world: the package, its values and their wire form, its keys.
 ALLOWED = {

@@ -37,7 +37,7 @@ from workflow_delivery.services import release_deliveries, send_message
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.psycopg3]
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 # ACP_CLIENT_PYTHON: the interpreter of a venv with only the [acp-client] extra, to
 # run the runner there (its imports come from this checkout, its dependencies from
 # that venv); by default this one, with Django refused by the runner.

@@ -27,7 +27,7 @@ from django.db import connection
 from tests.support import factories
 from workflow_delivery.models import Event, WorkflowAgentDelivery
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.psycopg3]
 
 

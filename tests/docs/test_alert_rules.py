@@ -12,7 +12,7 @@ import yaml
 from tests.support import factories
 from workflow_delivery.metrics import exposition
 
-RULES = Path(__file__).resolve().parent.parent / "docs" / "howto" / "alert-rules.yml"
+RULES = Path(__file__).resolve().parents[2] / "docs" / "howto" / "alert-rules.yml"
 METRIC = re.compile(r"\bworkflow_delivery_[a-z_]+\b")
 
 

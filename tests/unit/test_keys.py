@@ -17,7 +17,7 @@ from workflow_delivery import keys
 from workflow_delivery.api import nip98
 from workflow_delivery.exceptions import ProtocolError
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 # secp256k1's generator G: the public key of the secret 1 (its x coordinate).
 G_X = "79be667ef9dcbbac55a06295ce870b07029bfcdb2dce28d959f2815b16f81798"
 # BIP-340 test vector 0: secret 3, message and auxiliary randomness all zero.

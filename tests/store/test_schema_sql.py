@@ -14,7 +14,7 @@ from django.db import connection
 
 from tests.support.schema_catalog import SCHEMA_SQL, schema_text
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _difference(expected: str, found: str) -> str:

@@ -1,6 +1,7 @@
-"""The map of the code in docs/contributing.md: it names every module of the app, each
+"""The maps in docs/contributing.md. The code's: it names every module of the app, each
 module says its job in its docstring, and no module imports from a floor above its
-own."""
+own. The tests': every test module sits in a folder the page names, none loose in
+``tests/`` or among the helpers of ``tests/support/``."""
 
 from __future__ import annotations
 
@@ -8,11 +9,14 @@ import ast
 import re
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 APP = ROOT / "workflow_delivery"
 MAP = ROOT / "docs" / "contributing.md"
 # A row of the map: | floor (blank: the row above's) | `module` | its job |
+TESTS = ROOT / "tests"
 ROW = re.compile(r"^\|\s*(?P<floor>[^|]*?)\s*\|\s*`(?P<module>[^`]+)`\s*\|", re.MULTILINE)
+# A row of the tests' map: | `tests/<folder>/` | its tests |
+FOLDER_ROW = re.compile(r"^\|\s*`tests/(?P<folder>[^`/]+)/`\s*\|", re.MULTILINE)
 # exceptions finds the deprecated WorkflowDeliveryConfigurationError in conf on first use.
 ALLOWED_UPWARD = {("exceptions", "conf")}
 
@@ -38,12 +42,20 @@ def dotted(path: Path) -> str:
     )
 
 
+def section(title: str) -> str:
+    """The text of the page's ``## title`` section, up to the next one."""
+    text = MAP.read_text()
+    start = text.index(f"\n## {title}\n")
+    end = text.find("\n## ", start + 1)
+    return text[start : end if end != -1 else len(text)]
+
+
 def floors() -> dict[str, int]:
     """Each mapped module (dotted; a package's ``__init__`` under the package's name)
     and the number of its floor, the lowest 0."""
     numbered: dict[str, int] = {}
     floor = -1
-    for row in ROW.finditer(MAP.read_text()):
+    for row in ROW.finditer(section("Where the code lives")):
         if row["floor"]:
             floor += 1
         numbered[row["module"].removesuffix(".py").replace("/", ".")] = floor
@@ -114,3 +126,21 @@ def test_no_module_imports_from_a_floor_above_its_own():
             if theirs is not None and theirs > own and (module, target) not in ALLOWED_UPWARD:
                 upward.append(f"{module} -> {target}")
     assert not upward
+
+
+def test_no_test_module_sits_loose_in_tests_or_among_the_helpers():
+    loose = sorted(path.name for path in TESTS.glob("test_*.py"))
+    in_support = sorted(path.name for path in (TESTS / "support").rglob("test_*.py"))
+    assert not loose, "move them into the folder of their layer (docs/contributing.md)"
+    assert not in_support, "tests/support/ holds helpers, never a test module"
+
+
+def test_every_test_folder_is_a_package_with_a_line_in_the_map():
+    documented = set(FOLDER_ROW.findall(section("Where the tests live")))
+    assert {"unit", "store", "services", "api", "support"} <= documented
+    folders = {
+        path.name for path in TESTS.iterdir() if path.is_dir() and path.name != "__pycache__"
+    }
+    folders -= {"screenshots"}  # the browser test's output, ignored by git
+    assert folders == documented
+    assert not [name for name in sorted(folders) if not (TESTS / name / "__init__.py").is_file()]

@@ -13,8 +13,8 @@ import time
 
 import pytest
 
+from tests.acp.test_acp_command import command, environment
 from tests.support import factories
-from tests.test_acp_command import command, environment
 from workflow_delivery.models import Event, WorkflowAgentDelivery
 from workflow_delivery.services import reap_expired_deliveries, send_message
 

@@ -16,7 +16,7 @@ from workflow_delivery import checks, conf, exceptions
 from workflow_delivery.consumer import PermanentFailure
 from workflow_delivery.protocol import DeliveryRecord
 
-REFERENCE = Path(__file__).resolve().parent.parent / "docs" / "reference"
+REFERENCE = Path(__file__).resolve().parents[2] / "docs" / "reference"
 COMMANDS = sorted(
     path.stem
     for path in (Path(conf.__file__).parent / "management" / "commands").glob("*.py")

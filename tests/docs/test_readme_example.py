@@ -16,7 +16,7 @@ from workflow_delivery.models import WorkflowAgentDelivery
 # The worker runs on connections of its own: the example's rows must be committed.
 pytestmark = pytest.mark.django_db(transaction=True)
 
-README = Path(__file__).resolve().parent.parent / "README.md"
+README = Path(__file__).resolve().parents[2] / "README.md"
 
 
 def first_example() -> str:

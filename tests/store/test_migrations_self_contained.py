@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-MIGRATIONS = Path(__file__).resolve().parent.parent / "workflow_delivery" / "migrations"
+MIGRATIONS = Path(__file__).resolve().parents[2] / "workflow_delivery" / "migrations"
 FILES = sorted(path for path in MIGRATIONS.glob("[0-9]*.py"))
 
 # Importing these loads a module by a name computed at run time.

@@ -32,7 +32,7 @@ from workflow_delivery.reaper import logger as reaper_logger
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
-OPERATIONS = Path(__file__).resolve().parent.parent / "docs" / "howto" / "operations.md"
+OPERATIONS = Path(__file__).resolve().parents[2] / "docs" / "howto" / "operations.md"
 
 
 def run(statement: str, params=()) -> None:

@@ -21,7 +21,7 @@ from workflow_delivery.services import send_message
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 AGENT = [sys.executable, str(SUPPORT / "acp_agent.py")]
 
 

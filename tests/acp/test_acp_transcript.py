@@ -13,9 +13,9 @@ from django.core.checks import run_checks
 from django.db import DatabaseError
 from django.test import override_settings
 
+from tests.acp.test_acp_runtime import Driving, acp_agent, record, send, settled
 from tests.support import admin_pages, factories
 from tests.support.consumers import eventually, status
-from tests.test_acp_runtime import Driving, acp_agent, record, send, settled
 from workflow_delivery.acp import Turn
 from workflow_delivery.conf import WorkflowDeliveryConfigurationError
 from workflow_delivery.exceptions import ConstraintViolation

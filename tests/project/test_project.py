@@ -17,7 +17,7 @@ from django.test import override_settings
 
 from workflow_delivery import checks
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def manage(*args: str, **env: str) -> subprocess.CompletedProcess:
@@ -325,7 +325,7 @@ def test_the_browser_and_pooler_tests_are_left_out_only_on_request_and_said_so(o
     environment = {k: v for k, v in os.environ.items() if k != "BUZZ_TESTS_WITHOUT_SYSTEM_PACKAGES"}
     if opted_out:
         environment["BUZZ_TESTS_WITHOUT_SYSTEM_PACKAGES"] = "1"
-    modules = ["tests/test_browser.py", "tests/test_pooler.py"]
+    modules = ["tests/admin/test_browser.py", "tests/store/test_pooler.py"]
     result = subprocess.run(
         [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "--co", "-q", *modules],
         cwd=ROOT,
