@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from django.db import connection
 
-from tests.support.schema_catalog import SCHEMA_SQL, schema_text
+from workflow_delivery.store.schema_sql import SCHEMA_SQL, schema_text
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -32,7 +32,7 @@ def test_schema_sql_is_what_the_migrations_build():
     # A database of its own, migrated from nothing: the test database of this run may
     # carry grants and roles other tests left.
     result = subprocess.run(
-        [sys.executable, "-m", "tests.support.schema_catalog"],
+        [sys.executable, "-m", "workflow_delivery.store.schema_sql"],
         cwd=ROOT,
         env={**os.environ, "DJANGO_SETTINGS_MODULE": "tests.support.settings"},
         capture_output=True,

@@ -1,18 +1,18 @@
 """The app's schema as PostgreSQL's catalog describes it, in one stable, readable text.
 
 ``workflow_delivery/schema.sql`` is this text for a freshly migrated database;
-``scripts/dump_schema`` rewrites it and ``tests/store/test_schema_sql.py`` compares it. The text
-is built from catalog queries (``format_type``, ``pg_get_constraintdef``,
+``scripts/dump_schema`` rewrites it and ``tests/store/test_schema_sql.py`` compares it.
+The text is built from catalog queries (``format_type``, ``pg_get_constraintdef``,
 ``pg_get_indexdef``, ``pg_get_triggerdef``, ``pg_get_functiondef``) rather than taken
 from ``pg_dump``, whose output changes between client versions; every section is sorted
 by name, so the order the migrations created things in does not show, except the order
 of a table's columns, which is the table's own.
 
-    python -m tests.support.schema_catalog            print the text of a fresh database
-    python -m tests.support.schema_catalog --write    rewrite workflow_delivery/schema.sql
+    python -m workflow_delivery.store.schema_sql          print the text of a fresh database
+    python -m workflow_delivery.store.schema_sql --write  rewrite workflow_delivery/schema.sql
 
-Both create a scratch database beside the configured one (``DATABASE_URL``'s server, or
-the embedded one), migrate it, read it and drop it.
+Both run under the project's settings (``DJANGO_SETTINGS_MODULE``), create a scratch
+database beside the configured one, migrate it, read it and drop it.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-SCHEMA_SQL = Path(__file__).resolve().parents[2] / "workflow_delivery" / "schema.sql"
+SCHEMA_SQL = Path(__file__).resolve().parent.parent / "schema.sql"
 
 HEADER = """\
 -- The schema of the workflow_delivery app after its migrations, as PostgreSQL's
@@ -250,7 +250,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--write", action="store_true", help=f"rewrite {SCHEMA_SQL.name}")
     args = parser.parse_args(argv)
-    os.environ.setdefault("DJANGO_SETTINGS_MODULE", "tests.support.settings")
+    if not os.environ.get("DJANGO_SETTINGS_MODULE"):
+        parser.error("DJANGO_SETTINGS_MODULE must name the project's settings module")
     text = fresh_schema_text()
     if args.write:
         SCHEMA_SQL.write_text(text)
