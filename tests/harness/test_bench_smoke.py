@@ -89,7 +89,7 @@ def test_api_bench_runs_and_drops_its_database(db, tmp_path: Path, server: str) 
         assert run[label]["http"]["cycles"] > 0, printed
         assert run[label]["ratio"] > 0, printed
     assert results["wake"][server]["p99_ms"] > 0, printed
-    assert {"verify_us", "replay_insert_us", "sign_us"} <= set(results["auth"])
+    assert {"verify_us", "admission_us", "sign_us"} <= set(results["auth"])
     if server == "uvicorn":
         assert results["http_with_waiters"]["cycles"] > 0, printed
     assert f"| {server} / in-process |".encode() in out

@@ -17,7 +17,7 @@ TESTS = ROOT / "tests"
 ROW = re.compile(r"^\|\s*(?P<floor>[^|]*?)\s*\|\s*`(?P<module>[^`]+)`\s*\|", re.MULTILINE)
 # A row of the tests' map: | `tests/<folder>/` | its tests |
 FOLDER_ROW = re.compile(r"^\|\s*`tests/(?P<folder>[^`/]+)/`\s*\|", re.MULTILINE)
-# exceptions finds the deprecated WorkflowDeliveryConfigurationError in conf on first use.
+# exceptions finds WorkflowDeliveryConfigurationError in conf on first use.
 ALLOWED_UPWARD = {("exceptions", "conf")}
 
 

@@ -55,7 +55,6 @@ from .replay import (
     admitted_community,
     prune_replay_guard,
     prune_replay_guard_now_and_then,
-    record_request_event,
 )
 from .replies import reply_to_delivery, run_replies, send_reply
 from .sending import send_message
@@ -92,7 +91,6 @@ __all__ = [
     "prune_replay_guard_now_and_then",
     "reap_deliveries",
     "reap_expired_deliveries",
-    "record_request_event",
     "register_idle",
     "release_deliveries",
     "release_lease",
