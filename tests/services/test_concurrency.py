@@ -34,13 +34,11 @@ from workflow_delivery.protocol import (
     AlreadyTerminal,
     DeliveryRecord,
     DeliveryStatus,
-    FinishResult,
     Lease,
     LeaseLost,
     NewDelivery,
     Outcome,
     Renewed,
-    RenewResult,
     Settled,
 )
 
@@ -78,9 +76,9 @@ class Hold:
     claimed_at: datetime
     live_until: datetime
     abandoned: bool = False
-    renewed: RenewResult | None = None
-    finished: FinishResult | None = None
-    retried: FinishResult | None = None
+    renewed: Renewed | LeaseLost | None = None
+    finished: Settled | AlreadyTerminal | LeaseLost | None = None
+    retried: Settled | AlreadyTerminal | LeaseLost | None = None
 
 
 def abandons(lease: Lease) -> bool:
