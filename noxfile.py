@@ -132,7 +132,7 @@ def embedded(session: nox.Session) -> None:
     _install(session, "6.1", "psycopg3", embedded=True)
     # An empty DATABASE_URL means the embedded server (buzz_project/embedded.py); its
     # data stays in .pgdata/18/ of the checkout between runs.
-    embedded = {"DATABASE_URL": "", "DJANGO_SETTINGS_MODULE": "tests.settings"}
+    embedded = {"DATABASE_URL": "", "DJANGO_SETTINGS_MODULE": "tests.support.settings"}
     session.run("python", "-c", EMBEDDED_IS_18, env=embedded)
     _pytest(session, DATABASE_URL="")
 
@@ -181,11 +181,12 @@ def psycopg2(session: nox.Session) -> None:
     ignored = ["api/test_asgi.py", "api/test_auth.py", "api/test_bad_input.py"]
     ignored += ["api/test_client.py", "api/test_fuzz.py", "api/test_live.py"]
     ignored += ["api/test_operations.py", "api/test_replay.py", "api/test_scope.py"]
-    ignored += ["api/test_wait.py", "test_claim.py", "test_database_errors.py"]
-    ignored += ["api/test_json_content.py", "api/test_one_round_trip.py"]
-    ignored += ["api/test_community_bound.py", "api/test_deletion.py", "test_purge_batches.py"]
-    ignored += ["api/test_held_effects.py", "test_idle_liveness.py"]
-    ignored += ["test_fence_locks.py", "test_operator.py", "test_reaper.py"]
+    ignored += ["api/test_wait.py", "api/test_json_content.py", "api/test_one_round_trip.py"]
+    ignored += ["api/test_community_bound.py", "api/test_deletion.py"]
+    ignored += ["api/test_held_effects.py", "store/test_database_errors.py"]
+    ignored += ["services/test_claim.py", "services/test_purge_batches.py"]
+    ignored += ["services/test_fence_locks.py", "services/test_operator.py"]
+    ignored += ["services/test_reaper.py", "admin/test_idle_liveness.py"]
     _loudly(session, f"psycopg2 cell: also leaves out the modules {', '.join(ignored)}.")
     ignore = [f"--ignore=tests/{name}" for name in ignored]
     _pytest(session, "-m", "not psycopg3", *ignore, DATABASE_URL=LOCAL_URL)
@@ -276,9 +277,9 @@ def pgbouncer(session: nox.Session) -> None:
         # database is dropped below, straight on the server, once PgBouncer is gone.
         _pytest(
             session,
-            "tests/test_lifecycle.py",
-            "tests/test_concurrency.py",
-            "tests/test_pooler.py",
+            "tests/services/test_lifecycle.py",
+            "tests/services/test_concurrency.py",
+            "tests/store/test_pooler.py",
             "--reuse-db",
             DATABASE_URL=through,
             WD_TEST_SERVER=f"{server['host']}:{server['port']}",

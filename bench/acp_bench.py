@@ -10,7 +10,7 @@ scripted agent, in a scratch database of its own (``bench.common.bench_database`
 - lease lost (the key revoked) -> ``session/cancel`` sent, and no reply committed
   after the loss.
 
-Kills of the agent and of the runtime are ``tests/test_chaos_acp.py`` (``--kills``
+Kills of the agent and of the runtime are ``tests/harness/test_chaos_acp.py`` (``--kills``
 here would repeat it). Usage: ``python -m bench.acp_bench [--deliveries N]``.
 """
 
@@ -28,7 +28,7 @@ from pathlib import Path
 from bench import common
 
 ROOT = Path(__file__).resolve().parent.parent
-AGENT = [sys.executable, str(ROOT / "tests" / "acp_agent.py")]
+AGENT = [sys.executable, str(ROOT / "tests" / "support" / "acp_agent.py")]
 
 
 def _setup(label: str, count: int, content: str):

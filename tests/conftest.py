@@ -7,9 +7,9 @@ import pytest
 from django.contrib.auth.models import Permission
 from django.db import connection
 
-from tests import factories
-from tests.admin_pages import VIEW_PERMISSIONS
-from tests.locks import LOCK_TIMEOUT, Worker
+from tests.support import factories
+from tests.support.admin_pages import VIEW_PERMISSIONS
+from tests.support.locks import LOCK_TIMEOUT, Worker
 
 # Set by `scripts/test --without-system-packages`: the tests that need Debian's chromium,
 # chromedriver or pgbouncer are left out, and the run says so at its end.

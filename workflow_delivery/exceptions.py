@@ -8,7 +8,6 @@ name on first use.
 
 from __future__ import annotations
 
-import warnings
 from uuid import UUID
 
 
@@ -200,21 +199,9 @@ class AgentApiError(WorkflowDeliveryError):
         super().__init__(f"{status} {code}: {detail}")
 
 
-# Old names still importable from here, each with a DeprecationWarning.
-_DEPRECATED = {"LeaseLostError": "LeaseNotLive"}
-
-
 def __getattr__(name: str) -> type[Exception]:
     if name == "WorkflowDeliveryConfigurationError":
         from .conf import WorkflowDeliveryConfigurationError
 
         return WorkflowDeliveryConfigurationError
-    if name in _DEPRECATED:
-        current = _DEPRECATED[name]
-        warnings.warn(
-            f"{__name__}.{name} is deprecated; use {current}",
-            DeprecationWarning,
-            stacklevel=2,
-        )
-        return globals()[current]
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -39,7 +39,6 @@ __all__ = [
     "ErrorReport",
     "EventCause",
     "Exhausted",
-    "FinishResult",
     "FinishedAndNext",
     "Lease",
     "LeaseLost",
@@ -49,13 +48,11 @@ __all__ = [
     "ProtocolError",
     "Reaped",
     "RecordedError",
-    "RenewResult",
     "Renewed",
     "Replied",
     "RequestAdmission",
     "RequestEvent",
     "Retried",
-    "RetryResult",
     "Revocation",
     "RosterEntry",
     "ScheduleCause",
@@ -549,11 +546,6 @@ class RequestEvent:
     event_id: bytes
     created_at: int
     pubkey: bytes
-
-
-RenewResult: TypeAlias = Renewed | LeaseLost
-FinishResult: TypeAlias = Settled | AlreadyTerminal | LeaseLost
-RetryResult: TypeAlias = Retried | Exhausted | LeaseLost
 
 
 @dataclass(frozen=True, slots=True)

@@ -2,7 +2,7 @@
 
 docs/howto/operations.md ("Run under an unprivileged role") shows these statements (a
 test holds the page's block to them), ``manage.py grant_app_role`` runs them for ``scripts/run``,
-and ``tests/test_app_role.py`` runs them for its roles. The owner (the role that
+and ``tests/store/test_app_role.py`` runs them for its roles. The owner (the role that
 migrates) runs them after every migration, so tables a migration adds are granted too.
 """
 

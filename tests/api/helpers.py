@@ -1,14 +1,14 @@
 """Helpers of the agent API tests: an agent key with a pending delivery, a key enrolled
 with none, the delivery rows as they are stored, and the check of an answer's status
-and error code. They sign through ``tests.agent_http``, which imports
+and error code. They sign through ``tests.support.agent_http``, which imports
 psycopg 3 (the modules that import this one are left out of the psycopg2 cell)."""
 
 from __future__ import annotations
 
 from django.test import Client
 
-from tests import factories
-from tests.agent_http import pubkey, secret, signed
+from tests.support import factories
+from tests.support.agent_http import pubkey, secret, signed
 from workflow_delivery.models import WorkflowAgentDelivery
 
 

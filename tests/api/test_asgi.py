@@ -22,9 +22,9 @@ import pytest
 from django.core import signals
 from django.db import connection
 
-from tests import factories
-from tests.agent_http import pubkey, secret, uvicorn_server
 from tests.api.helpers import enrolled_secret
+from tests.support import factories
+from tests.support.agent_http import pubkey, secret, uvicorn_server
 from workflow_delivery.api import nip98
 from workflow_delivery.api.asgi import POOLED_THREADS, PooledThreadsHandler
 from workflow_delivery.client import AgentClient

@@ -13,9 +13,9 @@ import time
 
 import pytest
 
-from tests import factories
-from tests.agent_http import secret
 from tests.api.helpers import answer, rows
+from tests.support import factories
+from tests.support.agent_http import secret
 from workflow_delivery.api import nip98
 from workflow_delivery.models import AgentRequestReplay, WorkflowAgentDelivery
 

@@ -9,8 +9,8 @@ import time
 import pytest
 from django.db import connections
 
-from tests import factories
-from tests.agent_http import pubkey, secret
+from tests.support import factories
+from tests.support.agent_http import pubkey, secret
 from workflow_delivery.client import AgentClient
 from workflow_delivery.exceptions import AgentApiError
 from workflow_delivery.protocol import (

@@ -12,11 +12,11 @@ import threading
 import pytest
 from django.db import connection
 
-from tests import factories
-from tests.agent_http import uvicorn_server
 from tests.api.helpers import enrolled_secret
-from tests.consumers import eventually
-from tests.second_session import other
+from tests.support import factories
+from tests.support.agent_http import uvicorn_server
+from tests.support.consumers import eventually
+from tests.support.second_session import other
 from workflow_delivery.api import nip98
 from workflow_delivery.api.asgi import POOLED_THREADS
 

@@ -13,7 +13,7 @@ from urllib.parse import urlsplit
 
 import pytest
 
-from tests.agent_http import secret
+from tests.support.agent_http import secret
 from workflow_delivery.api import nip98
 from workflow_delivery.client import AgentClient
 from workflow_delivery.exceptions import AgentApiError

@@ -15,9 +15,9 @@ from django.db import connection
 from django.test import Client
 
 from tests.api.helpers import Agent, answer, rows
-from tests.consumers import eventually
-from tests.locks import key_of
-from tests.second_session import other
+from tests.support.consumers import eventually
+from tests.support.locks import key_of
+from tests.support.second_session import other
 from workflow_delivery.models import AgentRequestReplay
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.usefixtures("any_host")]

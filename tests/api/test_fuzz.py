@@ -13,8 +13,8 @@ import schemathesis
 from schemathesis import GenerationMode
 from schemathesis.checks import not_a_server_error
 
-from tests import factories
-from tests.agent_http import pubkey, secret, uvicorn_server
+from tests.support import factories
+from tests.support.agent_http import pubkey, secret, uvicorn_server
 from workflow_delivery.api import nip98
 
 # The live server's wait view listens with psycopg 3.

@@ -11,9 +11,9 @@ import uuid
 
 import pytest
 
-from tests import factories
-from tests.agent_http import pubkey
 from tests.api.helpers import Agent, answer, enrolled_secret, rows
+from tests.support import factories
+from tests.support.agent_http import pubkey
 from workflow_delivery.api import nip98
 from workflow_delivery.models import AgentRequestReplay, Event, WorkflowAgentDelivery
 from workflow_delivery.services import revoke_agent

@@ -8,9 +8,9 @@ from __future__ import annotations
 import jsonschema_rs
 import pytest
 
-from tests import factories
-from tests.agent_http import pubkey, secret
 from tests.api.helpers import answer
+from tests.support import factories
+from tests.support.agent_http import pubkey, secret
 from workflow_delivery import services, wire
 from workflow_delivery.client import AgentClient
 from workflow_delivery.protocol import ContentKind, SentMessage
@@ -36,7 +36,7 @@ class _Sender:
         )
 
     def call(self, client, method: str, path: str, document=None):
-        from tests.agent_http import signed
+        from tests.support.agent_http import signed
 
         return signed(client, method, path, document, host=self.owner.host, secret_key=self.secret)
 

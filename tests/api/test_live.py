@@ -18,8 +18,8 @@ import uuid
 import pytest
 from django.db import connection
 
-from tests import factories
-from tests.agent_http import pubkey, secret, uvicorn_server
+from tests.support import factories
+from tests.support.agent_http import pubkey, secret, uvicorn_server
 from workflow_delivery.api import nip98
 from workflow_delivery.client import AgentClient
 from workflow_delivery.exceptions import AgentApiError

@@ -14,9 +14,9 @@ from datetime import datetime
 import pytest
 from django.db import connections
 
-from tests import factories
-from tests.agent_http import MOUNT
 from tests.api.helpers import Agent, answer, enrolled_secret
+from tests.support import factories
+from tests.support.agent_http import MOUNT
 from workflow_delivery import services
 from workflow_delivery.api import nip98
 from workflow_delivery.models import AgentRequestReplay, WorkflowAgentDelivery

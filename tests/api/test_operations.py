@@ -13,8 +13,8 @@ import jsonschema_rs
 import pytest
 from django.db import connection
 
-from tests import factories
 from tests.api.helpers import Agent, answer, enrolled_secret, rows
+from tests.support import factories
 from workflow_delivery.models import WorkflowAgentDelivery
 
 pytestmark = [pytest.mark.django_db, pytest.mark.usefixtures("any_host")]

@@ -19,9 +19,9 @@ import pytest
 from django.db import connection
 from django.test import override_settings
 
-from tests import factories
-from tests.agent_http import pubkey, secret, uvicorn_server
-from tests.sessions import terminate
+from tests.support import factories
+from tests.support.agent_http import pubkey, secret, uvicorn_server
+from tests.support.sessions import terminate
 from workflow_delivery.api import nip98
 from workflow_delivery.client import AgentClient
 from workflow_delivery.models import IdleWakeTarget

@@ -18,9 +18,9 @@ from django.db import connection, connections, transaction
 from django.test import Client
 from django.utils import timezone
 
-from tests import factories
 from tests.api.helpers import Agent, answer, rows
-from tests.races import run_together
+from tests.support import factories
+from tests.support.races import run_together
 from workflow_delivery import services
 from workflow_delivery.api import nip98
 from workflow_delivery.models import AgentRequestReplay, WorkflowAgentDelivery
@@ -32,28 +32,37 @@ pytestmark = [pytest.mark.django_db, pytest.mark.usefixtures("any_host")]
 # -- the replay guard table --------------------------------------------------------------
 
 
+def _admitted(owner, event: bytes, created_at: int, agent: bytes) -> tuple[bool, bool]:
+    """``(fresh, recorded)`` of the admission a request of ``agent`` at ``owner``'s host gets."""
+    admission = services.admit_request_event(owner.host, event, created_at, pubkey=agent)
+    assert admission.community_id == owner.id
+    return admission.fresh, admission.recorded
+
+
 def test_replay_guard_holds_an_event_once_across_communities():
     one, two = factories.community(), factories.community()
+    agent = factories.key32()
+    factories.enroll(one, [agent])
+    factories.enroll(two, [agent])
     event = factories.key32()
     now = int(time.time())
-    assert services.record_request_event(one.id, event, now) == (True, True)
-    assert services.record_request_event(one.id, event, now) == (True, False)
-    assert services.record_request_event(two.id, event, now) == (True, False)
-    agent = factories.key32()
-    factories.enroll(two, [agent])
+    assert _admitted(one, event, now, agent) == (True, True)
+    assert _admitted(one, event, now, agent) == (True, False)
     admitted = services.admit_request_event(two.host.upper(), event, now, pubkey=agent)
     assert (admitted.community_id, admitted.fresh, admitted.recorded) == (two.id, True, False)
     assert admitted.standing == "enabled"
-    assert services.record_request_event(one.id, factories.key32(), now - 120) == (False, False)
+    assert _admitted(one, factories.key32(), now - 120, agent) == (False, False)
     assert AgentRequestReplay.objects.filter(event_id=event).count() == 1
 
 
 @pytest.mark.django_db(transaction=True)
 def test_the_same_event_at_once_from_two_connections_is_recorded_once():
     owner = factories.community()
+    agent = factories.key32()
+    factories.enroll(owner, [agent])
     event = factories.key32()
     now = int(time.time())
-    results = run_together(4, lambda _: services.record_request_event(owner.id, event, now))
+    results = run_together(4, lambda _: _admitted(owner, event, now, agent))
     assert sorted(results) == [(True, False)] * 3 + [(True, True)]
     assert AgentRequestReplay.objects.filter(community=owner).count() == 1
 
@@ -98,12 +107,16 @@ def test_purge_of_a_community_deletes_its_replay_rows():
 
 def test_replay_rows_are_behind_the_write_fence(raw):
     owner = factories.community()
+    agent = factories.key32()
+    factories.enroll(owner, [agent])
     factories.move_to(owner.id, "fenced")
     from workflow_delivery.exceptions import CommunityWriteFenced
 
-    with pytest.raises(CommunityWriteFenced):
-        services.record_request_event(owner.id, factories.key32(), int(time.time()))
+    # A savepoint of its own: the request's transaction is aborted by the refusal.
+    with pytest.raises(CommunityWriteFenced), transaction.atomic():
+        services.admit_request_event(owner.host, factories.key32(), int(time.time()), pubkey=agent)
     assert connection.in_atomic_block
+    assert not AgentRequestReplay.objects.filter(community=owner).exists()
 
 
 # -- one transaction per request -------------------------------------------------------

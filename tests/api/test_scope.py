@@ -9,8 +9,8 @@ import uuid
 
 import pytest
 
-from tests import factories
 from tests.api.helpers import Agent, answer, enrolled_secret, rows
+from tests.support import factories
 from workflow_delivery.models import AgentRequestReplay
 
 pytestmark = [pytest.mark.django_db, pytest.mark.usefixtures("any_host")]

@@ -13,9 +13,9 @@ import pytest
 from django.db import connections
 from django.test import override_settings
 
-from tests import factories
 from tests.api.helpers import answer
-from tests.sessions import listening_sessions
+from tests.support import factories
+from tests.support.sessions import listening_sessions
 from workflow_delivery.admin.target import IDLE_LIVE, read_target_state
 from workflow_delivery.api.wake import hub
 from workflow_delivery.models import IdleWakeTarget, WorkflowAgentDelivery

@@ -13,9 +13,9 @@ import pytest
 from django.db import connection, connections
 from django.test import override_settings
 
-from tests import factories
-from tests.agent_http import pubkey, secret
-from tests.sessions import terminate
+from tests.support import factories
+from tests.support.agent_http import pubkey, secret
+from tests.support.sessions import terminate
 from workflow_delivery.api.wake import WakeHub
 from workflow_delivery.services import commit_deliveries
 from workflow_delivery.wakeups import WakeNotice

@@ -67,7 +67,6 @@ from .replay import (
     admitted_community,
     prune_replay_guard,
     prune_replay_guard_now_and_then,
-    record_request_event,
 )
 from .replies import reply_to_delivery, run_replies, send_reply
 from .roster import enroll_agent, enroll_agents, reinstate_agent, revoke_agent
@@ -113,7 +112,6 @@ __all__ = [
     "purge_community",
     "reap_deliveries",
     "reap_expired_deliveries",
-    "record_request_event",
     "register_idle",
     "reinstate_agent",
     "release_deliveries",

@@ -20,37 +20,11 @@ from ..exceptions import (
     CommunityWriteFenced,
     ProtocolError,
 )
-from ..protocol import AgentStanding, RequestAdmission, RequestEvent, as_bytes32, as_uuid
+from ..protocol import AgentStanding, RequestAdmission, RequestEvent, as_bytes32
 from ..store import run, statements
 from ..validation import checked_batch_size, is_whole_number
 
 logger = logging.getLogger(__name__)
-
-
-def record_request_event(
-    community_id: UUID | str,
-    event_id: bytes,
-    created_at: int,
-    *,
-    using: str = DEFAULT_DB_ALIAS,
-) -> tuple[bool, bool]:
-    """The agent API's freshness check and replay guard for one signed request event,
-    by the database clock: ``(fresh, recorded)``. A fresh event is recorded once,
-    whatever the community; ``recorded`` is False when the same event was already
-    accepted, even by another process at the same instant or for another community.
-    A fenced community raises ``CommunityWriteFenced`` (the guard is a tenant table
-    behind the write fence)."""
-    community_id = as_uuid("community_id", community_id)
-    event_id, created_at = _request_event(event_id, created_at)
-    skew = app_settings.API_MAX_CLOCK_SKEW_SECONDS
-    params = {
-        "created_at": created_at,
-        "skew": skew,
-        "community_id": community_id,
-        "event_id": event_id,
-    }
-    ((fresh, recorded),) = run.fetch(using, statements.ACCEPT_REQUEST_EVENT, params)
-    return bool(fresh), bool(recorded)
 
 
 def _request_event(event_id: bytes, created_at: int) -> tuple[bytes, int]:
@@ -69,12 +43,13 @@ def admit_request_event(
     using: str = DEFAULT_DB_ALIAS,
 ) -> RequestAdmission:
     """The agent API's look-up of the community served at ``host`` (any case) and of
-    where ``pubkey`` stands in its agent roster, with the freshness check and the
-    replay guard of ``record_request_event``, in one statement. Only an enabled
-    agent's event is recorded. In the caller's transaction the replay row commits or
-    rolls back with the caller's work, and the roster's shared lock is held until
-    then (a revocation of the key waits for the request); an unknown host records
-    nothing."""
+    where ``pubkey`` stands in its agent roster, with the freshness check (by the
+    database clock) and the replay guard, in one statement. Only an enabled agent's
+    fresh event is recorded, and once, whatever the community: a second arrival (from
+    any process, at the same instant, for any community) is ``recorded=False``. In the
+    caller's transaction the replay row commits or rolls back with the caller's work,
+    and the roster's shared lock is held until then (a revocation of the key waits for
+    the request); an unknown host records nothing."""
     if not isinstance(host, str) or not host:
         raise ProtocolError("host", f"must be a host name, not {host!r}")
     event_id, created_at = _request_event(event_id, created_at)

@@ -1,18 +1,6 @@
 -- Generated from workflow_delivery.store.statements by scripts/dump_statements;
 -- do not edit. Every final statement, under its name, in name order.
 
--- name: ACCEPT_REQUEST_EVENT --
-WITH clock AS (
-    SELECT abs(extract(epoch FROM now()) - %(created_at)s::bigint) <= %(skew)s::bigint AS fresh
-), recorded AS (
-    INSERT INTO "agent_request_replays" (community_id, event_id, event_created_at)
-    SELECT %(community_id)s::uuid, %(event_id)s::bytea, to_timestamp(%(created_at)s::bigint)
-      FROM clock WHERE clock.fresh
-    ON CONFLICT ON CONSTRAINT wd_replay_event_once DO NOTHING
-    RETURNING 1
-)
-SELECT clock.fresh, EXISTS (SELECT 1 FROM recorded) FROM clock;
-
 -- name: ADMIT_REQUEST_EVENT --
 WITH clock AS (
     SELECT abs(extract(epoch FROM now()) - %(created_at)s::bigint) <= %(skew)s::bigint AS fresh

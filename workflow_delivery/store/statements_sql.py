@@ -5,7 +5,7 @@ A reviewer reads the SQL the app runs top to bottom in one file (procrastinate's
 Every module of the package is read, and the statements of all of them are written in
 one name order; a dictionary or list of statements gives one entry per key or position.
 ``python -m workflow_delivery.store.statements_sql --write`` rewrites the file, and
-``tests/test_statements_sql.py`` fails while the two disagree.
+``tests/store/test_statements_sql.py`` fails while the two disagree.
 """
 
 from __future__ import annotations

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 from ..statement import Statement
 from .api import (
-    ACCEPT_REQUEST_EVENT,
     ADMISSION_DELETING,
     ADMIT_REQUEST_EVENT,
     CLAIM_ENROLLED,
@@ -119,7 +118,6 @@ from .roster import (
 )
 
 __all__ = [
-    "ACCEPT_REQUEST_EVENT",
     "ADMISSION_DELETING",
     "ADMIT_REQUEST_EVENT",
     "AGENTS",

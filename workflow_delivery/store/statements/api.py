@@ -44,22 +44,14 @@ def _recording(community: str, source: str, answer: str) -> str:
     RETURNING {answer}"""
 
 
-# The agent API's freshness check and replay guard in one statement, both by the
-# database clock: a fresh event's id is recorded, and ON CONFLICT makes a second
-# arrival of the same event (from any process, at the same instant, for any
-# community) insert nothing. Answers (fresh, recorded).
-ACCEPT_REQUEST_EVENT = Statement(f"""
-WITH {_CLOCK}, recorded AS (
-{_recording("%(community_id)s::uuid", "clock WHERE clock.fresh", "1")}
-)
-SELECT clock.fresh, EXISTS (SELECT 1 FROM recorded) FROM clock
-""")
-
-# The same for a request named by its Host: the community whose host it is (any
-# case, by wd_community_host_ci_key), where the signing key stands in its roster,
-# the freshness and the replay guard, in one round trip. The standing is read under
-# the roster's shared lock (wd_agent_standing, through wd_lock_roster_shared), held to the end of
-# the request's transaction, so a revocation waits for the key's requests in flight.
+# The agent API's admission of a request named by its Host: the community whose host
+# it is (any case, by wd_community_host_ci_key), where the signing key stands in its
+# roster, the freshness by the database clock and the replay guard (ON CONFLICT makes a
+# second arrival of the same event, from any process, at the same instant, for any
+# community, insert nothing), in one round trip. The standing is read under the
+# roster's shared lock (wd_agent_standing, through wd_lock_roster_shared), held to the
+# end of the request's transaction, so a revocation waits for the key's requests in
+# flight.
 # The community's shared deletion lock is only tried, never waited for: while its
 # deletion executor holds the exclusive lock (or waits for it), the standing is
 # ``ADMISSION_DELETING`` and nothing is recorded, so a request of a community being

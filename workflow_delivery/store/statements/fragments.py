@@ -47,7 +47,7 @@ RETURNING_RECORD = ", ".join(f"d.{quote_name(column)}" for column in RECORD_COLU
 
 # wd_community_deletion_key(column) written out, in every statement that takes the
 # shared lock or tries it: a call of that function (its search_path pinned, so never
-# inlined) costs the hot path more than the lock it names. tests/test_purge_deadlock.py
+# inlined) costs the hot path more than the lock it names. tests/services/test_purge_deadlock.py
 # holds the two equal.
 DELETION_KEY = "hashtextextended('workflow_delivery.community_deletion:' || {column}::text, 0)"
 
