@@ -90,7 +90,7 @@ def consumer_process(step: factories.Step) -> Iterator[subprocess.Popen]:
             "--target",
             step.targets[0].hex(),
             "--handler",
-            "tests.consumer_handlers.do_nothing",
+            "tests.support.consumer_handlers.do_nothing",
             "--poll-interval",
             "0.2",
         ],
