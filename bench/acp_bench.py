@@ -59,6 +59,9 @@ ROOT = Path(__file__).resolve().parent.parent
 AGENT = [sys.executable, str(ROOT / "tests" / "acp_agent.py")]
 # The runtime of API mode, as an agent's machine runs it.
 API_RUNNER = [sys.executable, "-m", "workflow_delivery.acp"]
+# Seconds the agent has to answer initialize: its interpreter starts and imports two
+# SDKs, which a loaded machine makes slow.
+HANDSHAKE = 60
 SECRET_VARIABLE = "WD_BENCH_AGENT_SECRET"
 # The server's retry backoff in the chaos run: a killed agent's turn is retried soon.
 CHAOS_SERVER_ENV = {
@@ -85,10 +88,22 @@ def _setup(label: str, count: int, content: str, agent: bytes | None = None):
 
 
 def _run_until(runner, stop_when) -> float:
+    """``runner.run()`` on a thread until ``stop_when()``; a runner that ends first
+    (its agent did not start, say) ends the benchmark with its error."""
     started = time.monotonic()
-    thread = threading.Thread(target=runner.run, daemon=True)
+    failed: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            runner.run()
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            failed.append(exc)
+
+    thread = threading.Thread(target=run, daemon=True)
     thread.start()
     while not stop_when():
+        if not thread.is_alive():
+            raise SystemExit(f"the runtime stopped early: {failed[0] if failed else 'no error'}")
         time.sleep(0.01)
     elapsed = time.monotonic() - started
     runner.stop()
@@ -113,7 +128,14 @@ def settle_latency_and_cost(count: int) -> dict[str, float]:
     base.run()
 
     owner, agent, _, _ids = _setup("acp", count, "answer")
-    runner = AcpAgent(owner.id, agent, AGENT, max_deliveries=count, poll_interval=0.05)
+    runner = AcpAgent(
+        owner.id,
+        agent,
+        AGENT,
+        handshake_timeout=HANDSHAKE,
+        max_deliveries=count,
+        poll_interval=0.05,
+    )
     ended: dict[uuid.UUID, float] = {}
     settled: list[float] = []
     per_turn: list[float] = []
@@ -149,7 +171,9 @@ def long_turn() -> dict[str, object]:
     from workflow_delivery.services import get_delivery
 
     owner, agent, _, [delivery] = _setup("long", 1, "sleep 3")
-    runner = AcpAgent(owner.id, agent, AGENT, lease_seconds=1, max_deliveries=1)
+    runner = AcpAgent(
+        owner.id, agent, AGENT, handshake_timeout=HANDSHAKE, lease_seconds=1, max_deliveries=1
+    )
     runner.run()
     record = get_delivery(owner.id, delivery)
     return {"3x lease: status": record.status.value, "3x lease: claims": record.attempts}
@@ -163,7 +187,9 @@ def lease_lost() -> dict[str, object]:
 
     owner, agent, peer, [delivery] = _setup("lost", 1, "placeholder")
     Event.objects.filter(community_id=owner.id).update(content=f"hang-reply {peer.hex()}")
-    runner = AcpAgent(owner.id, agent, AGENT, lease_seconds=30, poll_interval=0.05)
+    runner = AcpAgent(
+        owner.id, agent, AGENT, handshake_timeout=HANDSHAKE, lease_seconds=30, poll_interval=0.05
+    )
     revoked = [0.0]
 
     def claimed() -> bool:
@@ -199,6 +225,7 @@ def _api_agent(api: str, secret: bytes, host: str, **options):
     from workflow_delivery.acp import ApiAgent
 
     options.setdefault("wait_seconds", 1)
+    options.setdefault("handshake_timeout", HANDSHAKE)
     return ApiAgent(lambda: _client(api, secret, host), AGENT, **options)
 
 
@@ -361,7 +388,7 @@ def api_chaos(
         "--wait",
         "1",
         "--handshake-timeout",
-        "60",
+        str(HANDSHAKE),
         "--",
         *AGENT,
     ]
