@@ -335,6 +335,13 @@ def _children(pid: int) -> list[int]:
     return found
 
 
+def _lines(path: Path) -> int:
+    try:
+        return path.read_text().count("\n")
+    except FileNotFoundError:
+        return 0
+
+
 def api_chaos(
     api: str,
     kills: int,
@@ -359,7 +366,6 @@ def api_chaos(
     from urllib.parse import urlsplit
 
     from django.db.models import Count
-    from django.utils import timezone
 
     from workflow_delivery.keys import public_key_bytes
     from workflow_delivery.models import AgentTurn, Community, Event, WorkflowAgentDelivery
@@ -392,7 +398,14 @@ def api_chaos(
         "--",
         *AGENT,
     ]
-    env = {**os.environ, SECRET_VARIABLE: secret.hex(), "ACP_AGENT_DELAY": "0.3"}
+    # The agent notes each turn it begins in this file (``tests/acp_agent.py``).
+    turns = (output.parent if output is not None else Path(tempfile.mkdtemp())) / "turns.log"
+    env = {
+        **os.environ,
+        SECRET_VARIABLE: secret.hex(),
+        "ACP_AGENT_DELAY": "0.3",
+        "ACP_AGENT_LOG": str(turns),
+    }
     log = open(output, "ab") if output is not None else subprocess.DEVNULL  # noqa: SIM115
 
     def top_up() -> None:
@@ -428,15 +441,18 @@ def api_chaos(
         while sum(killed.values()) < kills:
             if process is None:
                 process = start()
-            if not open_rows.exists():
-                top_up()
-            # Mid-turn: once this runtime holds a delivery it claimed since now.
-            since = timezone.now()
+            # Mid-turn: once the agent has begun a turn (its log has a new line; a
+            # starting agent is not yet in one), more sent whenever none is left.
+            begun = _lines(turns)
             deadline = time.monotonic() + 60
-            while not rows.filter(status="claimed", claimed_at__gte=since).exists():
+            while _lines(turns) <= begun:
+                if not open_rows.exists():
+                    top_up()
                 if time.monotonic() > deadline or process.poll() is not None:
+                    states = list(open_rows.values_list("status", "attempts", "available_at"))
                     raise RuntimeError(
-                        f"the runtime claimed nothing (exit status {process.poll()})"
+                        f"no turn began in 60 s (the runtime's exit status {process.poll()}; "
+                        f"open deliveries {states}; its output in {output})"
                     )
                 time.sleep(0.02)
             time.sleep(rng.uniform(0.1, 0.7))
@@ -513,17 +529,12 @@ def main() -> None:
         if options.chaos_api:
             seed = options.seed if options.seed is not None else random.randrange(2**31)
             figures["seed"] = seed
-            with (
-                common.api_server(common.database_url(db), env=CHAOS_SERVER_ENV) as url,
-                tempfile.TemporaryDirectory() as scratch,
-            ):
+            # Kept after the run: what the runtimes logged, to read when it fails.
+            output = Path(tempfile.mkdtemp(prefix="acp-chaos-")) / "runtime.log"
+            figures["the runtimes' output"] = str(output)
+            with common.api_server(common.database_url(db), env=CHAOS_SERVER_ENV) as url:
                 figures.update(
-                    api_chaos(
-                        f"{url}/agents/",
-                        options.chaos_api,
-                        seed=seed,
-                        output=Path(scratch) / "runtime.log",
-                    )
+                    api_chaos(f"{url}/agents/", options.chaos_api, seed=seed, output=output)
                 )
         elif options.api:
             with common.api_server(common.database_url(db)) as api:
