@@ -443,7 +443,8 @@ def api_chaos(
                 process = start()
             # Mid-turn: once the agent has begun a turn (its log has a new line; a
             # starting agent is not yet in one), more sent whenever none is left.
-            begun = _lines(turns)
+            # The kill falls in one of the next four turns, so some end between kills.
+            begun = _lines(turns) + rng.randint(0, 3)
             deadline = time.monotonic() + 60
             while _lines(turns) <= begun:
                 if not open_rows.exists():
