@@ -4,10 +4,14 @@ tools called by the agent through a real MCP client session."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import os
+import queue
 import sys
 import threading
 import time
+import uuid
+from types import SimpleNamespace
 
 import pytest
 from django.db import connection
@@ -15,7 +19,7 @@ from django.test import override_settings
 
 from tests.support import SUPPORT, admin_pages, factories
 from tests.support.consumers import eventually, status
-from workflow_delivery.acp import AcpAgent, AgentStartError
+from workflow_delivery.acp import AcpAgent, AgentStartError, Turn, turns
 from workflow_delivery.models import Event, WorkflowAgentDelivery
 from workflow_delivery.protocol import DeliveryStatus
 from workflow_delivery.services import get_delivery, revoke_agent, send_message
@@ -261,3 +265,44 @@ def test_permission_requests_are_denied_unless_allowed_and_the_turn_is_kept(rost
         "denied",
     )
     assert turns[streamed].text == "chunk 0 chunk 1 chunk 2 "
+
+
+class _CountingJobs:
+    """A turn's job queue that notes each wait that ran out (a poll waited out)."""
+
+    def __init__(self) -> None:
+        self.inner: queue.SimpleQueue = queue.SimpleQueue()
+        self.ran_out = 0
+
+    def put(self, item: object) -> None:
+        self.inner.put(item)
+
+    def get(self, timeout: float | None = None) -> object:
+        try:
+            return self.inner.get(timeout=timeout)
+        except queue.Empty:
+            self.ran_out += 1
+            raise
+
+    def get_nowait(self) -> object:
+        return self.inner.get_nowait()
+
+
+def test_the_turns_end_wakes_the_waiting_thread_instead_of_its_poll(monkeypatch):
+    """``drive`` returns the moment the turn's future is done: with a poll of 30 s, no
+    wait of the handler's thread runs out, and closing the turn drains the wake-up."""
+    monkeypatch.setattr(turns, "POLL", 30.0)
+
+    class Runtime:
+        def turn(self, turn):
+            future = concurrent.futures.Future()
+            threading.Timer(0.05, future.set_result, ["end_turn"]).start()
+            return future
+
+    turn = Turn(run_id=uuid.uuid4(), delivery_id=uuid.uuid4(), blocks=[], max_bytes=100)
+    turn.jobs = jobs = _CountingJobs()
+    source = SimpleNamespace(lost=threading.Event(), stopping=threading.Event(), live=lambda: True)
+    assert turns.drive(Runtime(), turn, source) is None
+    assert turn.result.result(timeout=0) == "end_turn"
+    assert jobs.ran_out == 0
+    assert turn.call(lambda: None).exception(timeout=0) is not None

@@ -99,3 +99,32 @@ def test_api_bench_runs_and_drops_its_database(db, tmp_path: Path, server: str) 
             "SELECT count(*) FROM pg_database WHERE datname = %s", [f"{prefix}_{proc.pid}"]
         )
         assert cursor.fetchone()[0] == 0
+
+
+@pytest.mark.psycopg3  # the bench harness drives psycopg 3
+@pytest.mark.slow
+def test_acp_bench_api_mode_runs_and_drops_its_database(db) -> None:
+    prefix = os.environ.get("BENCH_DB_PREFIX", "buzz_bench_acp")
+    command = [sys.executable, "-m", "bench.acp_bench", "--api", "--deliveries", "4"]
+    proc = subprocess.Popen(
+        command, cwd=ROOT, env=os.environ.copy(), stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    )
+    out, err = proc.communicate(timeout=240)
+    assert proc.returncode == 0, err.decode()[-2000:]
+    printed = out.decode()
+    for figure in (
+        "API: turn ended -> settled p99 (ms)",
+        "API: per delivery p50, plain HTTP agent (ms)",
+        "API: runtime's own cost p50 (ms)",
+        "API: lease lost -> cancel (ms)",
+    ):
+        assert figure in printed, printed
+    assert "API: 3x lease: status: finished" in printed, printed
+    assert "API: 3x lease: claims: 1" in printed, printed
+    assert "API: replies committed after the loss: 0" in printed, printed
+
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "SELECT count(*) FROM pg_database WHERE datname = %s", [f"{prefix}_{proc.pid}"]
+        )
+        assert cursor.fetchone()[0] == 0

@@ -1,6 +1,9 @@
 """Chaos for the ACP runtime: ``run_acp_agent`` as a subprocess, its scripted agent
 and itself killed with SIGKILL at random points, the reaper run between rounds. Every
-delivery settles once, and every reply the agent makes is stored once."""
+delivery settles once, and every reply the agent makes is stored once. The same for
+API mode: ``python -m workflow_delivery.acp --api`` (without Django) against a real
+uvicorn server, with a few kills here (``bench.acp_bench.api_chaos``; its longer run
+is ``python -m bench.acp_bench --chaos-api 50``)."""
 
 from __future__ import annotations
 
@@ -13,8 +16,10 @@ import time
 
 import pytest
 
+from tests.acp.test_acp_api import RUNNER
 from tests.acp.test_acp_command import command, environment
 from tests.support import factories
+from tests.support.agent_http import uvicorn_server
 from workflow_delivery.models import Event, WorkflowAgentDelivery
 from workflow_delivery.services import reap_expired_deliveries, send_message
 
@@ -104,3 +109,34 @@ def test_kills_of_agent_and_runtime_settle_every_delivery_once(tmp_path):
     assert "runtime" in kills
     # The kills fell mid-turn: some deliveries took more than one claim.
     assert sum(row.attempts for row in rows) > DELIVERIES
+
+
+# One kill of each (the first two kills are one of each): the longer run is the bench's.
+API_KILLS = 2
+
+
+@pytest.mark.psycopg3  # the bench's helpers and the server run on psycopg 3
+def test_kills_of_agent_and_api_runtime_settle_every_delivery_once(tmp_path):
+    from bench.acp_bench import CHAOS_SERVER_ENV, api_chaos
+
+    with uvicorn_server(extra_env=CHAOS_SERVER_ENV) as url:
+        found = api_chaos(
+            f"{url}/agents/",
+            API_KILLS,
+            seed=37,
+            runner=RUNNER,
+            settle_seconds=30,
+            output=tmp_path / "runtime.log",
+        )
+    log = (tmp_path / "runtime.log").read_text()[-3000:]
+    deliveries = found["deliveries"]
+    assert found["kills of the agent"] >= 1 and found["kills of the runtime"] >= 1, found
+    assert found["statuses"] == {"finished": deliveries}, (found, log)
+    # Every delivery settled once (one finished turn stored) and replied once.
+    assert found["deliveries with one finished turn"] == deliveries, found
+    assert found["deliveries with more than one"] == 0, found
+    assert found["replies stored once"] == deliveries, found
+    assert found["replies stored more than once"] == 0, found
+    assert found["replies to the peer"] == deliveries, found
+    # The kills fell mid-turn: some deliveries took more than one claim.
+    assert found["claims beyond the first"] > 0, found

@@ -170,15 +170,22 @@ class Turn:
             self.jobs.put((work, future))
         return future
 
+    def wake(self) -> None:
+        """Wake the handler's thread out of ``run_jobs`` now (the turn's future is
+        done: it need not wait out its poll)."""
+        self.jobs.put((None, None))
+
     def run_jobs(self, timeout: float) -> None:
         """On the handler's thread: run the work the loop asked for, waiting up to
-        ``timeout`` for the first."""
+        ``timeout`` for the first, or until ``wake()``."""
         try:
             work, future = self.jobs.get(timeout=timeout)
         except queue.Empty:
             return
         while True:
-            if self.fenced.is_set():
+            if work is None:
+                pass  # a wake-up: nothing to run
+            elif self.fenced.is_set():
                 future.set_exception(AgentError("the lease is gone: nothing is done"))
             elif future.set_running_or_notify_cancel():
                 try:
@@ -200,7 +207,8 @@ class Turn:
                 _, future = self.jobs.get_nowait()
             except queue.Empty:
                 return
-            future.set_exception(AgentError("the turn is over: nothing is done"))
+            if future is not None:
+                future.set_exception(AgentError("the turn is over: nothing is done"))
 
 
 @dataclass

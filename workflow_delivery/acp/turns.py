@@ -60,6 +60,9 @@ logger = logging.getLogger(__name__)
 CANCEL_GRACE = 3.0
 # How often the waiting thread asks the lease source whether the lease still lives.
 LIVENESS_INTERVAL = 0.5
+# The longest the waiting thread sleeps between looks at ``lost``, ``stopping`` and
+# the turn's deadlines; a tool's work or the turn's end wakes it at once.
+POLL = 0.02
 FAILED_STOP_REASONS = frozenset({"refusal", "max_tokens", "max_turn_requests"})
 
 
@@ -216,13 +219,16 @@ def drive(
     tools' work; the reason it was cancelled (``lost``, ``stopping``, ``timeout``),
     if it was. ``cancelled_at`` collects the instants a cancel was sent."""
     future = turn.result = runtime.turn(turn)
+    # The turn's end wakes this thread at once; the poll below only bounds how long
+    # a lost lease, a stop or a timeout waits to be seen.
+    future.add_done_callback(lambda _: turn.wake())
     started = time.monotonic()
     next_check = started + LIVENESS_INTERVAL
     why: str | None = None
     cancel_deadline = 0.0
     try:
         while not future.done():
-            turn.run_jobs(0.02)
+            turn.run_jobs(POLL)
             now = time.monotonic()
             if why is None:
                 if source.lost.is_set():
