@@ -681,9 +681,7 @@ class Held:
         if self.settled is not None:
             raise ProtocolError("outcome", "this block has already settled its delivery")
         params = {**_lease_params(self.lease), "outcome": outcome.value}
-        with run.cursor(self._using, savepoint=False) as cursor:
-            run.execute(cursor, statements.HELD_FINISH, params)
-            settled = cursor.fetchone() is not None
+        settled = bool(run.fetch(self._using, statements.HELD_FINISH, params, savepoint=False))
         if not settled:
             self.refused = True
             counters.LEASES_LOST.inc()
@@ -726,8 +724,7 @@ def keep_agent_turn(
         "tool_calls": json.dumps(list(tool_calls)),
         "permissions": json.dumps(list(permissions)),
     }
-    with run.cursor(using, savepoint=False) as cursor:
-        run.execute(cursor, statements.KEEP_AGENT_TURN, params)
+    run.fetch(using, statements.KEEP_AGENT_TURN, params, savepoint=False)
 
 
 @contextmanager
@@ -760,12 +757,9 @@ def holding(lease: Lease, *, using: str = DEFAULT_DB_ALIAS) -> Iterator[Held]:
         # Lock, then re-check: the locking statement's WHERE is re-read after a wait
         # but against the clock of its start, so expiry during the wait shows only
         # to a second statement. Both run in this block's transaction.
-        with run.cursor(using, savepoint=False) as cursor:
-            run.execute(cursor, statements.HOLD_LOCK, params)
-            locked = cursor.fetchone() is not None
-            if locked:
-                run.execute(cursor, statements.HELD_LIVE, params)
-                locked = cursor.fetchone() is not None
+        locked = bool(run.fetch(using, statements.HOLD_LOCK, params, savepoint=False))
+        if locked:
+            locked = bool(run.fetch(using, statements.HELD_LIVE, params, savepoint=False))
         if not locked:
             counters.LEASES_LOST.inc()
             raise LeaseNotLive(lease)
@@ -775,9 +769,7 @@ def holding(lease: Lease, *, using: str = DEFAULT_DB_ALIAS) -> Iterator[Held]:
             raise LeaseNotLive(lease, "the lease ran out inside the holding() block")
         if held.settled is None:
             # The row is still ours, so this answer holds until the commit.
-            with run.cursor(using, savepoint=False) as cursor:
-                run.execute(cursor, statements.HELD_LIVE, params)
-                live = cursor.fetchone() is not None
+            live = bool(run.fetch(using, statements.HELD_LIVE, params, savepoint=False))
             if not live:
                 counters.LEASES_LOST.inc()
                 raise LeaseNotLive(lease, "the lease ran out inside the holding() block")
@@ -817,8 +809,7 @@ def _on_idle_targets(
     keys = sorted({as_bytes32("targets", target) for target in targets})
     if not keys:
         return
-    with run.cursor(using) as cursor:
-        run.execute(cursor, statement, {"community_id": community_id, "target_pubkeys": keys})
+    run.fetch(using, statement, {"community_id": community_id, "target_pubkeys": keys})
 
 
 def get_delivery(
