@@ -184,7 +184,7 @@ def psycopg2(session: nox.Session) -> None:
     ignored += ["api/test_wait.py", "test_claim.py", "test_database_errors.py"]
     ignored += ["api/test_json_content.py", "api/test_one_round_trip.py"]
     ignored += ["api/test_community_bound.py", "api/test_deletion.py", "test_purge_batches.py"]
-    ignored += ["api/test_held_effects.py"]
+    ignored += ["api/test_held_effects.py", "test_heartbeat_renew.py"]
     ignored += ["test_fence_locks.py", "test_operator.py", "test_reaper.py"]
     _loudly(session, f"psycopg2 cell: also leaves out the modules {', '.join(ignored)}.")
     ignore = [f"--ignore=tests/{name}" for name in ignored]

@@ -242,6 +242,28 @@ def renew_delivery(
     return Renewed(lease_until=renewed[0][0])
 
 
+def renew_waiting_at_most(
+    lease: Lease, *, lease_seconds: int, lock_timeout_ms: int, using: str = DEFAULT_DB_ALIAS
+) -> Renewed | LeaseLost:
+    """``renew_delivery`` that waits at most ``lock_timeout_ms`` for a lock (the
+    deletion lock, the row) and raises ``DeliveryTimeout`` past it, in one statement
+    (``statements.HEARTBEAT_RENEW``): the consumer's heartbeat. The wait's bound is
+    transaction-local; in autocommit, where the heartbeat runs, it ends with the
+    statement, and inside a caller's transaction it holds to that transaction's end."""
+    params = _lease_params(lease)
+    params["lease_seconds"] = checked_lease_seconds(lease_seconds)
+    if not (is_whole_number(lock_timeout_ms) and lock_timeout_ms >= 1):
+        raise ProtocolError(
+            "lock_timeout_ms", f"must be a positive whole number, not {lock_timeout_ms!r}"
+        )
+    params["lock_timeout"] = f"{lock_timeout_ms}ms"
+    renewed = run.fetch(using, statements.HEARTBEAT_RENEW, params)
+    if not renewed:
+        counters.LEASES_LOST.inc()
+        return LeaseLost()
+    return Renewed(lease_until=renewed[0][0])
+
+
 def finish_delivery(
     lease: Lease,
     outcome: Outcome | str,

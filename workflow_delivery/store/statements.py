@@ -1333,3 +1333,19 @@ SELECT statement_timestamp(), community.host, community.deletion_state,
   LEFT JOIN error ON true
   LEFT JOIN idle ON true
 """)
+
+
+# --- The consumer's heartbeat --------------------------------------------------------
+
+# The heartbeat's renew (RENEW) that waits at most ``lock_timeout`` (a setting's text,
+# '500ms') for a lock, in one statement: the scalar subquery is a gate PostgreSQL
+# evaluates once, before the scan (a one-time filter), so the transaction-local
+# setting holds for every lock the renew then waits for, the deletion lock and the
+# row. In autocommit the statement is its own transaction, and the setting ends
+# with it. Answers the new lease_until.
+HEARTBEAT_RENEW = Statement(f"""
+UPDATE {DELIVERIES}
+   SET lease_until = statement_timestamp() + make_interval(secs => %(lease_seconds)s)
+ WHERE {_LIVE_LEASE}  AND (SELECT set_config('lock_timeout', %(lock_timeout)s, true)) IS NOT NULL
+RETURNING lease_until
+""")
