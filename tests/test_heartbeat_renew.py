@@ -10,6 +10,7 @@ from collections.abc import Callable
 
 import pytest
 from django.db import connection
+from django.test import override_settings
 
 from tests import factories
 from tests.locks import key_of
@@ -69,15 +70,22 @@ def test_a_bad_lock_timeout_is_refused(transactional_db):
         assert caught.value.field == "lock_timeout_ms"
 
 
-def test_one_renew_is_one_statement_in_one_round_trip(lock_timeout):
+@pytest.mark.parametrize("prepared", [True, False])
+def test_one_renew_is_one_statement_in_one_round_trip(lock_timeout, prepared):
     step = factories.Step(targets=1)
     factories.committed(step)
     lease, _ = services.claim_delivery(step.community.id, step.targets[0])
-    renew(lease)  # prepared on this session
-    sent = messages_sent(lambda: renew(lease))
-    # Bound to the prepared statement and run, no BEGIN, SET or COMMIT around it.
-    assert sent.count("Bind") == 1 and sent.count("Sync") == 1, sent
-    assert "Query" not in sent and "Parse" not in sent, sent
+    with override_settings(WORKFLOW_DELIVERY_PREPARED_STATEMENTS=prepared):
+        renew(lease)  # prepared on this session, when it is
+        sent = messages_sent(lambda: renew(lease))
+    # No BEGIN, SET, SAVEPOINT or COMMIT around it.
+    if prepared:
+        # Bound to the prepared statement and run.
+        assert sent.count("Bind") == 1 and sent.count("Sync") == 1, sent
+        assert "Query" not in sent and "Parse" not in sent, sent
+    else:
+        # Django's cursor binds on the client: one simple query.
+        assert sent == ["Query"], sent
 
 
 def test_a_held_row_times_out_and_the_timeout_ends_with_the_statement(lock_timeout):

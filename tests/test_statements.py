@@ -78,12 +78,18 @@ def test_data_coming_in_is_still_validated(db):
     assert caught.value.field == "step_id"
 
 
+# What a test of the prepared path needs, whatever the run's setting says (the nox
+# cell with nothing prepared turns it off).
+PREPARED = override_settings(WORKFLOW_DELIVERY_PREPARED_STATEMENTS=True)
+
+
 def scope() -> store_run._Scope:
     """One statement's use of the runner's cursor (what ``run.fetch`` enters)."""
     return store_run._Scope("default", savepoint=True)
 
 
 @pytest.mark.psycopg3  # the reused cursor is psycopg 3's
+@PREPARED
 def test_a_scope_inside_another_gets_its_own_cursor(db):
     with scope() as outer:
         outer.execute("SELECT generate_series(1, 3)")
@@ -98,6 +104,7 @@ def test_a_scope_inside_another_gets_its_own_cursor(db):
 
 
 @pytest.mark.psycopg3  # the lane and the reused cursor are psycopg 3's
+@PREPARED
 def test_a_reconnected_wrapper_starts_a_fresh_session(transactional_db):
     step = factories.Step(targets=2)
     factories.committed(step)
@@ -181,6 +188,7 @@ def test_settings_are_read_again_after_an_override(db):
 
 
 @pytest.mark.psycopg3  # the reused cursor is psycopg 3's
+@PREPARED
 def test_the_reused_cursor_serves_again_after_a_refused_statement(db):
     healthy, frozen = factories.Step(), factories.Step()
     factories.committed(healthy)
@@ -210,6 +218,7 @@ def prepared_statements() -> list[str]:
 
 
 @pytest.mark.psycopg3
+@PREPARED
 def test_claim_and_finish_are_prepared_with_a_literal_pending(db):
     assert cycle(factories.Step()) == Settled(Outcome.FINISHED)
     statements = prepared_statements()
@@ -222,6 +231,7 @@ def test_claim_and_finish_are_prepared_with_a_literal_pending(db):
 
 
 @pytest.mark.psycopg3
+@PREPARED
 def test_prepared_statements_bypass_django_query_capture(db):
     step = factories.Step()
     with CaptureQueriesContext(connection) as captured:

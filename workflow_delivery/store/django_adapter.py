@@ -3,10 +3,11 @@
 Django documents ``connections``, ``transaction`` and ``execute_wrapper()``; the store
 runs its statements below Django's cursor, so it also needs what Django's own
 ``cursor()`` does before handing a cursor out, and a few facts about the connection.
-Each is read here and nowhere else, against Django 5.2, 6.0 and 6.1
-(``django/db/backends/base/base.py``: ``BaseDatabaseWrapper``), the versions of the
-compatibility matrix; ``tests/test_django_adapter.py`` checks on the installed Django
-that each attribute is there and behaves as this module assumes.
+Each is read here and nowhere else. Read against the source of Django 5.2
+(``django/db/backends/base/base.py``: ``BaseDatabaseWrapper``); Django 6.0 and 6.1, the
+compatibility matrix's other versions, are held to it by ``tests/test_django_adapter.py``,
+which checks on the installed Django, in each nox cell, that every attribute is there
+and behaves as this module assumes.
 
 ``ATTRIBUTES`` names them all.
 """
