@@ -1,6 +1,9 @@
-"""Where the app's statements run: the connection's lane in autocommit, else a
-prepared psycopg cursor (or Django's) under a savepoint of its own, with database
-errors made domain errors (``store.errors``).
+"""Where the app's statements run, through ``fetch`` (``fetch_count`` for a count of
+rows changed), the one way the app runs SQL: the connection's lane in autocommit,
+else a prepared psycopg cursor (or Django's) under a savepoint of its own, with
+database errors made domain errors (``store.errors``). What the store knows of a
+database session is one ``Session``, kept with the driver's connection; what it needs
+of Django's connection beyond the documented API it asks ``store.django_adapter``.
 
 ``services`` says *what* each operation does; this module says how a statement
 (``store.statements``) reaches PostgreSQL and how its rows come back.
