@@ -37,6 +37,7 @@ from .holder import (
     release_lease,
     renew_admitted,
     renew_delivery,
+    renew_waiting_at_most,
     retry_delivery,
     unregister_idle,
 )
@@ -98,6 +99,7 @@ __all__ = [
     "release_lease",
     "renew_admitted",
     "renew_delivery",
+    "renew_waiting_at_most",
     "reply_to_delivery",
     "retry_delivery",
     "retry_failed_deliveries",
