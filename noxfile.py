@@ -187,9 +187,52 @@ def psycopg2(session: nox.Session) -> None:
     ignored += ["services/test_claim.py", "services/test_purge_batches.py"]
     ignored += ["services/test_fence_locks.py", "services/test_operator.py"]
     ignored += ["services/test_reaper.py", "admin/test_idle_liveness.py"]
+    ignored += ["consumer/test_heartbeat_renew.py"]
     _loudly(session, f"psycopg2 cell: also leaves out the modules {', '.join(ignored)}.")
     ignore = [f"--ignore=tests/{name}" for name in ignored]
     _pytest(session, "-m", "not psycopg3", *ignore, DATABASE_URL=LOCAL_URL)
+
+
+# Fails the cell unless nothing will be prepared: the app's statements on Django's cursor
+# and psycopg's own preparation off.
+NOTHING_PREPARED = """
+import django
+django.setup()
+from django.db import connection
+from workflow_delivery.conf import app_settings
+connection.ensure_connection()
+assert not app_settings.PREPARED_STATEMENTS, "WORKFLOW_DELIVERY_PREPARED_STATEMENTS is on"
+threshold = connection.connection.prepare_threshold
+assert threshold is None, f"psycopg prepares after {threshold} runs"
+print("nothing prepared: the app's setting off, psycopg's prepare_threshold None")
+"""
+
+# The lifecycle, holder, lease, claim, consumer and agent API operations tests: what the app's
+# statements do must not depend on their being prepared.
+UNPREPARED_TESTS = ["tests/services/test_lifecycle.py", "tests/services/test_concurrency.py"]
+UNPREPARED_TESTS += ["tests/services/test_holding.py", "tests/services/test_lease.py"]
+UNPREPARED_TESTS += ["tests/services/test_claim.py", "tests/store/test_database_errors.py"]
+UNPREPARED_TESTS += ["tests/consumer/test_consumer.py", "tests/consumer/test_heartbeat_renew.py"]
+UNPREPARED_TESTS += ["tests/store/test_statements.py", "tests/api/test_operations.py"]
+UNPREPARED_TESTS += ["tests/api/test_one_round_trip.py"]
+
+
+@nox.session(name="py3.11-django5.2-psycopg3-pg15-unprepared", python=_python("3.11"))
+def unprepared(session: nox.Session) -> None:
+    """The store, holder and API tests with no statement prepared: the app's
+    (WORKFLOW_DELIVERY_PREPARED_STATEMENTS=false) go through Django's cursor, and
+    psycopg's own preparation stays off (prepare_threshold None: Django's default, and
+    the project's settings give no OPTIONS for it). Tests that set the app's setting
+    themselves run as they say."""
+    _install(session, "5.2", "psycopg3", embedded=False)
+    env = {"DATABASE_URL": LOCAL_URL, "WORKFLOW_DELIVERY_PREPARED_STATEMENTS": "false"}
+    session.run(
+        "python",
+        "-c",
+        NOTHING_PREPARED,
+        env={**env, "DJANGO_SETTINGS_MODULE": "tests.support.settings"},
+    )
+    _pytest(session, *UNPREPARED_TESTS, **env)
 
 
 @nox.session(name="py3.11-django5.2-psycopg3-patroni-failover", python=_python("3.11"))

@@ -61,7 +61,7 @@ from .protocol import (
     Settled,
     as_uuid,
 )
-from .services.holder import checked_lease_seconds
+from .services.holder import checked_lease_seconds, renew_waiting_at_most
 from .validation import checked_public_keys, is_number, is_whole_number
 from .wakeups import WakeListener
 from .wakeups import available as wakeups_available
@@ -262,15 +262,13 @@ class _Heartbeat(threading.Thread):
         consumer = self.consumer
         using = consumer.using
         try:
-            # A transaction of its own, so the lock_timeout applies to this renew only.
-            with transaction.atomic(using=using):
-                with connections[using].cursor() as cursor:
-                    cursor.execute(
-                        "SELECT set_config('lock_timeout', %s, true)", [f"{self.lock_timeout_ms}ms"]
-                    )
-                result = services.renew_delivery(
-                    context.lease, lease_seconds=consumer.lease_seconds, using=using
-                )
+            # One statement in autocommit: its lock_timeout applies to this renew only.
+            result = renew_waiting_at_most(
+                context.lease,
+                lease_seconds=consumer.lease_seconds,
+                lock_timeout_ms=self.lock_timeout_ms,
+                using=using,
+            )
         except DeliveryTimeout:
             # lock_timeout: the handler's own holding() block has the row; not lost.
             consumer._count("renew_busy")

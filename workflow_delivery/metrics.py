@@ -44,24 +44,20 @@ class CommunityFigures:
 
 def community_figures(using: str = DEFAULT_DB_ALIAS) -> dict[object, CommunityFigures]:
     """Every community's figures, keyed by its id, from four index-served queries."""
-    with run.cursor(using) as cursor:
-        run.execute(cursor, statements.METRICS_COMMUNITIES)
-        figures = {cid: CommunityFigures(host, state) for cid, host, state in cursor.fetchall()}
-        run.execute(cursor, statements.METRICS_PENDING)
-        for cid, count, age in cursor.fetchall():
-            if cid in figures:
-                figures[cid].counts["pending"] = count
-                figures[cid].oldest_pending_age = float(age)
-        run.execute(cursor, statements.METRICS_CLAIMED)
-        for cid, count, expired in cursor.fetchall():
-            if cid in figures:
-                figures[cid].counts["claimed"] = count
-                if figures[cid].state == DeletionState.ACTIVE:
-                    figures[cid].expired_leases = expired
-        run.execute(cursor, statements.METRICS_TERMINAL)
-        for cid, status, count in cursor.fetchall():
-            if cid in figures:
-                figures[cid].counts[status] = count
+    communities = run.fetch(using, statements.METRICS_COMMUNITIES)
+    figures = {cid: CommunityFigures(host, state) for cid, host, state in communities}
+    for cid, count, age in run.fetch(using, statements.METRICS_PENDING):
+        if cid in figures:
+            figures[cid].counts["pending"] = count
+            figures[cid].oldest_pending_age = float(age)
+    for cid, count, expired in run.fetch(using, statements.METRICS_CLAIMED):
+        if cid in figures:
+            figures[cid].counts["claimed"] = count
+            if figures[cid].state == DeletionState.ACTIVE:
+                figures[cid].expired_leases = expired
+    for cid, status, count in run.fetch(using, statements.METRICS_TERMINAL):
+        if cid in figures:
+            figures[cid].counts[status] = count
     return figures
 
 

@@ -14,9 +14,7 @@ WIDTH, HEIGHT, MARGIN = 720, 180, 30
 
 def settles_per_minute(using: str = DEFAULT_DB_ALIAS) -> list[int]:
     """60 counts, oldest minute first; the last is the minute now running."""
-    with run.cursor(using) as cursor:
-        run.execute(cursor, statements.SETTLES_PER_MINUTE)
-        return [count for _, count in cursor.fetchall()]
+    return [count for _, count in run.fetch(using, statements.SETTLES_PER_MINUTE)]
 
 
 def settles_plot(counts: list[int]) -> SafeString:

@@ -133,9 +133,14 @@ def test_a_pooler_is_seen_and_a_direct_connection_is_not(through):
     direct = DatabaseWrapper(real_server(connection.settings_dict), alias="direct")
     try:
         direct.ensure_connection()
-        assert db._behind_pooler(direct.connection, "direct") is False
+        session = db.Session()
+        assert db._behind_pooler(direct, direct.connection, session, "direct") is False
+        assert session.pooled is False
     finally:
         direct.close()
     pooled = through("client_c")
     pooled.ensure_connection()
-    assert db._behind_pooler(pooled.connection, "client_c") is True
+    session = db.Session()
+    assert db._behind_pooler(pooled, pooled.connection, session, "client_c") is True
+    # Asked once: the answer is the session's.
+    assert session.pooled is True

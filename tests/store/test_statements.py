@@ -31,6 +31,7 @@ from workflow_delivery.protocol import (
     WebhookCause,
 )
 from workflow_delivery.store import run as store_run
+from workflow_delivery.store.statement import Statement
 
 CAUSES = [
     EventCause(b"\x07" * 32),
@@ -77,17 +78,49 @@ def test_data_coming_in_is_still_validated(db):
     assert caught.value.field == "step_id"
 
 
+# What a test of the prepared path needs, whatever the run's setting says (the nox
+# cell with nothing prepared turns it off).
+PREPARED = override_settings(WORKFLOW_DELIVERY_PREPARED_STATEMENTS=True)
+
+
+def scope() -> store_run._Scope:
+    """One statement's use of the runner's cursor (what ``run.fetch`` enters)."""
+    return store_run._Scope("default", savepoint=True)
+
+
 @pytest.mark.psycopg3  # the reused cursor is psycopg 3's
+@PREPARED
 def test_a_scope_inside_another_gets_its_own_cursor(db):
-    with store_run.cursor("default") as outer:
+    with scope() as outer:
         outer.execute("SELECT generate_series(1, 3)")
-        with store_run.cursor("default") as inner:
+        with scope() as inner:
             assert inner is not outer
             inner.execute("SELECT 42")
             assert inner.fetchone() == (42,)
         assert outer.fetchall() == [(1,), (2,), (3,)]
-    with store_run.cursor("default") as again:
+    with scope() as again:
         assert again is outer
+    assert store_run.session_of(connection, connection.connection).cursor is outer
+
+
+@pytest.mark.psycopg3  # the lane and the reused cursor are psycopg 3's
+@PREPARED
+def test_a_reconnected_wrapper_starts_a_fresh_session(transactional_db):
+    step = factories.Step(targets=2)
+    factories.committed(step)
+    lease, _ = services.claim_delivery(step.community.id, step.targets[0])
+    first = connection.connection
+    known = store_run.session_of(connection, first)
+    assert known.lane is not None and known.pooled is False
+    connection.close()
+    assert services.finish_delivery(lease, Outcome.FINISHED) == Settled(Outcome.FINISHED)
+    second = connection.connection
+    assert second is not first
+    fresh = store_run.session_of(connection, second)
+    assert fresh is not known
+    assert fresh.lane is not None and fresh.lane.raw is second
+    # Nothing of the session is kept on Django's wrapper.
+    assert not [name for name in vars(connection) if "workflow_delivery" in name]
 
 
 def test_statements_run_again_after_the_connection_is_reopened(transactional_db):
@@ -106,7 +139,7 @@ def test_a_connection_shared_between_threads_never_lends_one_cursor_twice(transa
     try:
 
         def use() -> None:
-            with store_run.cursor("default") as cursor:
+            with scope() as cursor:
                 seen.append(cursor)
 
         use()
@@ -127,8 +160,7 @@ def test_a_connection_of_another_thread_is_refused(transactional_db):
         try:
             # This thread's handler would open its own connection; hand it ours.
             connections["default"] = ours
-            with store_run.cursor("default"):
-                pass
+            store_run.fetch("default", Statement("SELECT 1"))
         except BaseException as exc:  # noqa: BLE001 - reported to the test thread
             errors.append(exc)
 
@@ -156,16 +188,18 @@ def test_settings_are_read_again_after_an_override(db):
 
 
 @pytest.mark.psycopg3  # the reused cursor is psycopg 3's
+@PREPARED
 def test_the_reused_cursor_serves_again_after_a_refused_statement(db):
     healthy, frozen = factories.Step(), factories.Step()
     factories.committed(healthy)
     factories.committed(frozen)
     services.transition_community(frozen.community.id, "quiescing")
-    with store_run.cursor("default") as before:
+    with scope() as before:
         pass
-    with pytest.raises(CommunityWriteFenced):
+    with transaction.atomic(), pytest.raises(CommunityWriteFenced):
+        # In a transaction: on the cursor path.
         services.claim_delivery(frozen.community.id, frozen.targets[0])
-    with store_run.cursor("default") as after:
+    with scope() as after:
         assert after is before
     lease, _ = services.claim_delivery(healthy.community.id, healthy.targets[0])
     assert services.finish_delivery(lease, Outcome.FINISHED) == Settled(Outcome.FINISHED)
@@ -184,6 +218,7 @@ def prepared_statements() -> list[str]:
 
 
 @pytest.mark.psycopg3
+@PREPARED
 def test_claim_and_finish_are_prepared_with_a_literal_pending(db):
     assert cycle(factories.Step()) == Settled(Outcome.FINISHED)
     statements = prepared_statements()
@@ -196,6 +231,7 @@ def test_claim_and_finish_are_prepared_with_a_literal_pending(db):
 
 
 @pytest.mark.psycopg3
+@PREPARED
 def test_prepared_statements_bypass_django_query_capture(db):
     step = factories.Step()
     with CaptureQueriesContext(connection) as captured:

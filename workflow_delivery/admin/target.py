@@ -21,7 +21,7 @@ from datetime import datetime, timedelta
 from typing import TYPE_CHECKING
 
 from django.core.exceptions import PermissionDenied
-from django.db import DEFAULT_DB_ALIAS, connections
+from django.db import DEFAULT_DB_ALIAS
 from django.http import Http404, HttpRequest, HttpResponse, HttpResponseBadRequest
 from django.template.response import TemplateResponse
 from django.urls import reverse
@@ -115,9 +115,7 @@ def read_target_state(
         "window": window,
         "cap": app_settings.MAX_ATTEMPTS,
     }
-    with connections[using].cursor() as cursor:
-        run.execute(cursor, statements.TARGET_STATE, params)
-        row = cursor.fetchone()
+    (row,) = run.fetch(using, statements.TARGET_STATE, params, savepoint=False)
     (now, host, state, *figures) = row
     if host is None:
         return None

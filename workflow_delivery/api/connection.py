@@ -10,6 +10,7 @@ from typing import Any
 
 from django.db import DEFAULT_DB_ALIAS, connections
 
+from ..store import django_adapter as django
 from .asgi import on_pooled_thread
 
 
@@ -33,12 +34,12 @@ def check_connection(using: str = DEFAULT_DB_ALIAS) -> None:
     statement opens a new one. Before a transaction begins, so a dead session is
     never the one its BEGIN is sent on."""
     wrapper = connections[using]
-    if not wrapper.health_check_enabled or wrapper.health_check_done:
+    if not django.health_check_pending(wrapper):
         return
-    raw = wrapper.connection
-    if raw is not None and not wrapper.in_atomic_block and not _usable(raw):
+    raw = django.raw(wrapper)
+    if raw is not None and not django.in_transaction(wrapper) and not _usable(raw):
         wrapper.close()
-    wrapper.health_check_done = True
+    django.health_check_made(wrapper)
 
 
 # Waits are many and long, their database work short: this bounds how many waits of
@@ -53,5 +54,5 @@ def release_connection() -> None:
     A pooled thread's connection stays: the thread's other requests use it
     (``asgi.PooledThreadsHandler``), and there are only so many such threads."""
     connection = connections[DEFAULT_DB_ALIAS]
-    if not connection.in_atomic_block and not on_pooled_thread():
+    if not django.in_transaction(connection) and not on_pooled_thread():
         connection.close()

@@ -49,6 +49,7 @@ from .holder import (
     release_lease,
     renew_admitted,
     renew_delivery,
+    renew_waiting_at_most,
     retry_delivery,
     unregister_idle,
 )
@@ -118,6 +119,7 @@ __all__ = [
     "release_lease",
     "renew_admitted",
     "renew_delivery",
+    "renew_waiting_at_most",
     "reply_to_delivery",
     "retry_delivery",
     "retry_failed_deliveries",

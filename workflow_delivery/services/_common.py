@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any
 
 from django.db import transaction
 
@@ -23,11 +22,11 @@ def max_attempts() -> int | None:
 
 
 @contextmanager
-def transaction_as(actor: str, using: str) -> Iterator[Any]:
+def transaction_as(actor: str, using: str) -> Iterator[None]:
     """A transaction (or the caller's) whose statements the timeline trigger records as
     done by ``actor``. The setting is transaction-local, and cleared at the end of the
     block in case the transaction is the caller's and goes on."""
-    with transaction.atomic(using=using), run.cursor(using, savepoint=False) as cursor:
-        run.execute(cursor, statements.SET_ACTOR, {"actor": actor})
-        yield cursor
-        run.execute(cursor, statements.SET_ACTOR, {"actor": ""})
+    with transaction.atomic(using=using):
+        run.fetch(using, statements.SET_ACTOR, {"actor": actor}, savepoint=False)
+        yield
+        run.fetch(using, statements.SET_ACTOR, {"actor": ""}, savepoint=False)

@@ -32,7 +32,7 @@ from ..exceptions import (
 )
 from ..models import DeletionState
 from ..protocol import as_uuid
-from ..store import run, statements
+from ..store import django_adapter, run, statements
 from ..store.errors import database_errors
 from ..validation import checked_batch_size, is_delay_seconds
 
@@ -55,15 +55,15 @@ def _state(value: str) -> DeletionState:
         ) from None
 
 
-def _lock_exclusive(cursor, community_id: UUID) -> tuple[DeletionState, int]:
+def _lock_exclusive(using: str, community_id: UUID) -> tuple[DeletionState, int]:
     community = {"community_id": str(community_id)}
-    run.execute(cursor, statements.REQUIRE_READ_COMMITTED)
-    run.execute(cursor, statements.LOCK_COMMUNITY_EXCLUSIVE, community)
-    run.execute(cursor, statements.COMMUNITY_FENCE_STATE, community)
-    row = cursor.fetchone()
-    if row is None:
+    run.fetch(using, statements.REQUIRE_READ_COMMITTED, savepoint=False)
+    run.fetch(using, statements.LOCK_COMMUNITY_EXCLUSIVE, community, savepoint=False)
+    rows = run.fetch(using, statements.COMMUNITY_FENCE_STATE, community, savepoint=False)
+    if not rows:
         raise CommunityNotFound(f"community {community_id} does not exist")
-    return DeletionState(row[0]), row[1]
+    ((state, generation),) = rows
+    return DeletionState(state), generation
 
 
 def transition_community(
@@ -85,12 +85,8 @@ def transition_community(
     community_id = as_uuid("community_id", community_id)
     target = _state(to_state)
     source = None if expected is None else _state(expected)
-    with (
-        transaction.atomic(using=using),
-        database_errors(),
-        connections[using].cursor() as cursor,
-    ):
-        current, generation = _lock_exclusive(cursor, community_id)
+    with transaction.atomic(using=using), database_errors():
+        current, generation = _lock_exclusive(using, community_id)
         if source is not None and current != source:
             raise UnexpectedCommunityState(
                 f"community {community_id} is {current}, not {source} as expected: "
@@ -98,12 +94,8 @@ def transition_community(
             )
         if current == target:
             return generation
-        run.execute(
-            cursor,
-            statements.SET_COMMUNITY_STATE,
-            {"state": target.value, "community_id": str(community_id)},
-        )
-        return cursor.fetchone()[0]
+        moved = {"state": target.value, "community_id": str(community_id)}
+        return run.fetch(using, statements.SET_COMMUNITY_STATE, moved, savepoint=False)[0][0]
 
 
 def begin_deletion(community_id: UUID | str, *, using: str = DEFAULT_DB_ALIAS) -> int:
@@ -119,37 +111,32 @@ def executor_writes(
     community's state. A generation that is no longer current raises
     ``StaleFenceGeneration`` and nothing is written."""
     community_id = as_uuid("community_id", community_id)
-    with transaction.atomic(using=using), connections[using].cursor() as cursor:
+    with transaction.atomic(using=using):
         # Only the lock is translated: the block's own errors reach it unchanged.
-        with database_errors():
-            state, current = _lock_exclusive(cursor, community_id)
+        state, current = _lock_exclusive(using, community_id)
         if current != generation:
             raise StaleFenceGeneration(
                 f"community {community_id}: fence generation {generation} is stale "
                 f"(current is {current})"
             )
-        _present(cursor, community_id, generation, using)
+        _present(community_id, generation, using)
         yield state
         # The presentation is transaction-local: an error rolls it back with the
         # block; on success clear it so an enclosing transaction keeps no authority.
-        run.execute(cursor, statements.WITHDRAW_EXECUTOR)
+        run.fetch(using, statements.WITHDRAW_EXECUTOR, savepoint=False)
 
 
-def _present(cursor, community_id: UUID, generation: int, using: str) -> None:
+def _present(community_id: UUID, generation: int, using: str) -> None:
+    executor = {"community_id": str(community_id), "generation": generation}
     try:
         # Under a savepoint, so the refusal can still name the role.
-        with transaction.atomic(using=using):
-            run.execute(
-                cursor,
-                statements.PRESENT_EXECUTOR,
-                {"community_id": str(community_id), "generation": generation},
-            )
+        run.fetch(using, statements.PRESENT_EXECUTOR, executor)
     except DatabaseError as exc:
         if sqlstate(exc) != "42501":  # insufficient_privilege
             raise
-        run.execute(cursor, statements.CURRENT_ROLE)
+        ((role,),) = run.fetch(using, statements.CURRENT_ROLE, savepoint=False)
         raise ExecutorNotAuthorized(
-            f"role {cursor.fetchone()[0]} may not act as the deletion executor of community "
+            f"role {role} may not act as the deletion executor of community "
             f"{community_id}: it needs EXECUTE on wd_present_executor (an executor role)"
         ) from exc
 
@@ -200,7 +187,7 @@ def purge_community(
             "batch_seconds", f"must be a number of seconds, 0 or more, not {target!r}"
         )
     size = most if not target else min(most, FIRST_PURGE_BATCH)
-    attempts = 1 if connections[using].in_atomic_block else PURGE_ATTEMPTS
+    attempts = 1 if django_adapter.in_transaction(connections[using]) else PURGE_ATTEMPTS
     deleted = {table: 0 for table, _ in statements.PURGE}
     while True:
         attempt = 0
@@ -252,22 +239,22 @@ def _purge_batch(community_id: UUID, generation: int, size: int, using: str) -> 
             raise InvalidLifecycleTransition(
                 f"community {community_id} is active: begin its deletion before purging"
             )
-        with connections[using].cursor() as cursor:
-            for table, purge in statements.PURGE:
-                if budget == 0:
-                    break
-                run.execute(cursor, purge, {"community_id": str(community_id), "limit": budget})
-                deleted[table] = cursor.rowcount
-                if cursor.rowcount == budget:
-                    # The table may hold more: the next batch starts over from the first.
-                    break
-                budget -= cursor.rowcount
+        for table, purge in statements.PURGE:
+            if budget == 0:
+                break
+            batch = {"community_id": str(community_id), "limit": budget}
+            count = deleted[table] = run.fetch_count(using, purge, batch, savepoint=False)
+            if count == budget:
+                # The table may hold more: the next batch starts over from the first.
+                break
+            budget -= count
     return deleted
 
 
 def community_write_allowed(community_id: UUID | str, *, using: str = DEFAULT_DB_ALIAS) -> bool:
     """The database's own verdict: true only for an existing, active community."""
     community_id = as_uuid("community_id", community_id)
-    with transaction.atomic(using=using), connections[using].cursor() as cursor:
-        run.execute(cursor, statements.COMMUNITY_WRITE_ALLOWED, {"community_id": str(community_id)})
-        return bool(cursor.fetchone()[0])
+    with transaction.atomic(using=using):
+        community = {"community_id": str(community_id)}
+        allowed = run.fetch(using, statements.COMMUNITY_WRITE_ALLOWED, community, savepoint=False)
+        return bool(allowed[0][0])

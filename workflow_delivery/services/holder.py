@@ -248,6 +248,28 @@ def renew_delivery(
     return Renewed(lease_until=renewed[0][0])
 
 
+def renew_waiting_at_most(
+    lease: Lease, *, lease_seconds: int, lock_timeout_ms: int, using: str = DEFAULT_DB_ALIAS
+) -> Renewed | LeaseLost:
+    """``renew_delivery`` that waits at most ``lock_timeout_ms`` for a lock (the
+    deletion lock, the row) and raises ``DeliveryTimeout`` past it, in one statement
+    (``statements.HEARTBEAT_RENEW``): the consumer's heartbeat. The wait's bound is
+    transaction-local; in autocommit, where the heartbeat runs, it ends with the
+    statement, and inside a caller's transaction it holds to that transaction's end."""
+    params = _lease_params(lease)
+    params["lease_seconds"] = checked_lease_seconds(lease_seconds)
+    if not (is_whole_number(lock_timeout_ms) and lock_timeout_ms >= 1):
+        raise ProtocolError(
+            "lock_timeout_ms", f"must be a positive whole number, not {lock_timeout_ms!r}"
+        )
+    params["lock_timeout"] = f"{lock_timeout_ms}ms"
+    renewed = run.fetch(using, statements.HEARTBEAT_RENEW, params)
+    if not renewed:
+        counters.LEASES_LOST.inc()
+        return LeaseLost()
+    return Renewed(lease_until=renewed[0][0])
+
+
 def finish_delivery(
     lease: Lease,
     outcome: Outcome | str,
@@ -687,9 +709,7 @@ class Held:
         if self.settled is not None:
             raise ProtocolError("outcome", "this block has already settled its delivery")
         params = {**_lease_params(self.lease), "outcome": outcome.value}
-        with run.cursor(self._using, savepoint=False) as cursor:
-            run.execute(cursor, statements.HELD_FINISH, params)
-            settled = cursor.fetchone() is not None
+        settled = bool(run.fetch(self._using, statements.HELD_FINISH, params, savepoint=False))
         if not settled:
             self.refused = True
             counters.LEASES_LOST.inc()
@@ -732,8 +752,7 @@ def keep_agent_turn(
         "tool_calls": json.dumps(list(tool_calls)),
         "permissions": json.dumps(list(permissions)),
     }
-    with run.cursor(using, savepoint=False) as cursor:
-        run.execute(cursor, statements.KEEP_AGENT_TURN, params)
+    run.fetch(using, statements.KEEP_AGENT_TURN, params, savepoint=False)
 
 
 @contextmanager
@@ -766,12 +785,9 @@ def holding(lease: Lease, *, using: str = DEFAULT_DB_ALIAS) -> Iterator[Held]:
         # Lock, then re-check: the locking statement's WHERE is re-read after a wait
         # but against the clock of its start, so expiry during the wait shows only
         # to a second statement. Both run in this block's transaction.
-        with run.cursor(using, savepoint=False) as cursor:
-            run.execute(cursor, statements.HOLD_LOCK, params)
-            locked = cursor.fetchone() is not None
-            if locked:
-                run.execute(cursor, statements.HELD_LIVE, params)
-                locked = cursor.fetchone() is not None
+        locked = bool(run.fetch(using, statements.HOLD_LOCK, params, savepoint=False))
+        if locked:
+            locked = bool(run.fetch(using, statements.HELD_LIVE, params, savepoint=False))
         if not locked:
             counters.LEASES_LOST.inc()
             raise LeaseNotLive(lease)
@@ -781,9 +797,7 @@ def holding(lease: Lease, *, using: str = DEFAULT_DB_ALIAS) -> Iterator[Held]:
             raise LeaseNotLive(lease, "the lease ran out inside the holding() block")
         if held.settled is None:
             # The row is still ours, so this answer holds until the commit.
-            with run.cursor(using, savepoint=False) as cursor:
-                run.execute(cursor, statements.HELD_LIVE, params)
-                live = cursor.fetchone() is not None
+            live = bool(run.fetch(using, statements.HELD_LIVE, params, savepoint=False))
             if not live:
                 counters.LEASES_LOST.inc()
                 raise LeaseNotLive(lease, "the lease ran out inside the holding() block")
@@ -840,12 +854,7 @@ def _on_idle_targets(
     keys = sorted(set(checked_public_keys("targets", targets)))
     if not keys:
         return
-    with run.cursor(using) as cursor:
-        run.execute(
-            cursor,
-            statement,
-            {"community_id": community_id, "target_pubkeys": keys, **params},
-        )
+    run.fetch(using, statement, {"community_id": community_id, "target_pubkeys": keys, **params})
 
 
 def get_delivery(

@@ -148,9 +148,7 @@ def prune_cutoff(older_than: timedelta | str | None = None, *, using: str = DEFA
         age = parse_duration(retention)
     except ValueError as exc:
         raise ProtocolError("older_than", str(exc)) from None
-    with run.cursor(using) as cursor:
-        run.execute(cursor, statements.PRUNE_CUTOFF, {"age": age})
-        return cursor.fetchone()[0]
+    return run.fetch(using, statements.PRUNE_CUTOFF, {"age": age})[0][0]
 
 
 def count_prunable(
@@ -158,6 +156,5 @@ def count_prunable(
 ) -> dict[str, int]:
     """What ``prune_deliveries`` would delete now, by community host (active ones)."""
     cutoff = prune_cutoff(older_than, using=using)
-    with run.cursor(using) as cursor:
-        run.execute(cursor, statements.PRUNE_COUNT, {"cutoff": cutoff})
-        return {host: count for _, host, count in cursor.fetchall()}
+    counts = run.fetch(using, statements.PRUNE_COUNT, {"cutoff": cutoff})
+    return {host: count for _, host, count in counts}

@@ -69,8 +69,7 @@ def _wake_idle(created: dict[str, list[object]], using: str) -> None:
     # happens here; a wake-up lost to an error is what polling is for, so it is
     # logged, never raised to the producer.
     try:
-        with run.cursor(using) as cursor:
-            run.execute(cursor, statements.WAKE_IDLE_AFTER_COMMIT, created)
+        run.fetch(using, statements.WAKE_IDLE_AFTER_COMMIT, created)
     except DatabaseError:
         logger.warning(
             "wake-ups for %s deliveries were not sent", len(created["ids"]), exc_info=True
@@ -213,11 +212,9 @@ def delivery_identity(
     run_id = as_uuid("run_id", run_id)
     with transaction.atomic(using=using):
         step = {"community": community_id, "run": run_id, "step": step_id}
-        with run.cursor(using, savepoint=False) as cursor:
-            # Transaction-scoped: released by our commit or rollback, never leaked.
-            run.execute(cursor, statements.LOCK_STEP_IDENTITY, step)
-            run.execute(cursor, statements.STEP_EXISTS, step)
-            exists = bool(cursor.fetchone()[0])
+        # Transaction-scoped: released by our commit or rollback, never leaked.
+        run.fetch(using, statements.LOCK_STEP_IDENTITY, step, savepoint=False)
+        exists = bool(run.fetch(using, statements.STEP_EXISTS, step, savepoint=False)[0][0])
         identity = StepIdentity(community_id, run_id, step_id, exists, using)
         try:
             yield identity

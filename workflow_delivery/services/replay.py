@@ -149,10 +149,8 @@ def prune_replay_guard(
     while max_batches is None or batches < max_batches:
         # Each batch is its own short transaction (unless the caller holds one).
         try:
-            with run.cursor(using) as cursor:
-                params = {"horizon": horizon, "limit": batch_size}
-                run.execute(cursor, statements.PRUNE_REPLAYS_BATCH, params)
-                count = cursor.rowcount
+            params = {"horizon": horizon, "limit": batch_size}
+            count = run.fetch_count(using, statements.PRUNE_REPLAYS_BATCH, params)
         except CommunityWriteFenced:
             # A tenant was fenced between our look at it and the delete; the next
             # sweep skips it.

@@ -118,15 +118,15 @@ def revoke_agent(
     actor = "operator" if operator is None else f"operator:{checked_operator(operator)}"
     # One transaction: the roster lock is held until the revocation and the release
     # of the key's leases commit together.
-    with transaction_as(actor, using) as cursor:
+    with transaction_as(actor, using):
         key = {"community_id": community_id, "pubkey": pubkey}
-        run.execute(cursor, statements.LOCK_ROSTER_EXCLUSIVE, key)
-        run.execute(cursor, statements.REVOKE_AGENT, key)
-        row = cursor.fetchone()
-        if row is None:
+        run.fetch(using, statements.LOCK_ROSTER_EXCLUSIVE, key, savepoint=False)
+        revoked = run.fetch(using, statements.REVOKE_AGENT, key, savepoint=False)
+        if not revoked:
             raise _not_enrolled(community_id, pubkey)
-        run.execute(cursor, statements.RELEASE_AGENT_LEASES, key)
-        released = tuple(sorted(found for (found,) in cursor.fetchall()))
+        (row,) = revoked
+        leases = run.fetch(using, statements.RELEASE_AGENT_LEASES, key, savepoint=False)
+        released = tuple(sorted(found for (found,) in leases))
     return Revocation(entry=_entry(row), released=released)
 
 

@@ -1,6 +1,9 @@
-"""Where the app's statements run: the connection's lane in autocommit, else a
-prepared psycopg cursor (or Django's) under a savepoint of its own, with database
-errors made domain errors (``store.errors``).
+"""Where the app's statements run, through ``fetch`` (``fetch_count`` for a count of
+rows changed), the one way the app runs SQL: the connection's lane in autocommit,
+else a prepared psycopg cursor (or Django's) under a savepoint of its own, with
+database errors made domain errors (``store.errors``). What the store knows of a
+database session is one ``Session``, kept with the driver's connection; what it needs
+of Django's connection beyond the documented API it asks ``store.django_adapter``.
 
 ``services`` says *what* each operation does; this module says how a statement
 (``store.statements``) reaches PostgreSQL and how its rows come back.
@@ -11,12 +14,13 @@ from __future__ import annotations
 import logging
 import weakref
 from collections.abc import Callable, Iterator, Mapping
-from contextlib import contextmanager, suppress
+from contextlib import contextmanager
 from typing import Any, NoReturn
 
 from django.db import DatabaseError, connections, transaction
 
 from ..conf import app_settings
+from . import django_adapter as django
 from . import lane as _lane
 from . import statements
 from .errors import raise_domain_error
@@ -31,18 +35,70 @@ _NEVER_BY_COUNT = 2**31 - 1
 
 logger = logging.getLogger(__name__)
 
-# Per raw connection: does a pooler sit between it and the server? Asked once.
-_POOLED: weakref.WeakKeyDictionary[Any, bool] = weakref.WeakKeyDictionary()
 _POOLER_REPORTED: set[str] = set()
 
-# What lives in a session belongs to the raw connection, not to Django's wrapper of
-# it: a connection pool (Django's ``OPTIONS={"pool": ...}``) hands one session to many
-# wrappers in turn, and its prepared statements and settings go with it.
-_LANES: weakref.WeakKeyDictionary[Any, _lane.Lane] = weakref.WeakKeyDictionary()
-_TIMELINE_TOLD: weakref.WeakKeyDictionary[Any, bool] = weakref.WeakKeyDictionary()
+
+class Session:
+    """What the app knows of one database session, kept with its driver connection.
+
+    What lives in a session belongs to the driver's connection, not to Django's
+    wrapper of it: a connection pool (Django's ``OPTIONS={"pool": ...}``) hands one
+    session to many wrappers in turn, and its prepared statements and settings go
+    with it; a wrapper that reconnects has a new session, and so a fresh ``Session``.
+    """
+
+    __slots__ = ("bare", "cursor", "lane", "pooled", "timeline")
+
+    def __init__(self) -> None:
+        # Does a pooler sit between this connection and the server? Asked once.
+        self.pooled: bool | None = None
+        # The lane of this connection's autocommit statements, made on first use.
+        self.lane: _lane.Lane | None = None
+        # Whether the timeline trigger records, as the session was last told; it
+        # records until told otherwise (the database's default).
+        self.timeline = True
+        # The prepared cursor the cursor path lends to one statement at a time.
+        self.cursor: Any = None
+        # Inside ``one_transaction``: False, True once a statement failed; else None.
+        self.bare: bool | None = None
 
 
-def _behind_pooler(raw: Any, alias: str) -> bool:
+_SESSIONS: weakref.WeakKeyDictionary[Any, Session] = weakref.WeakKeyDictionary()
+
+
+def session_of(wrapper: Any, raw: Any) -> Session:
+    """The ``Session`` of the driver's connection ``raw``, which ``wrapper`` (Django's)
+    holds, made on first use. A connection that takes no weak reference gets a fresh
+    one each time: nothing is remembered (every statement tells the session its
+    timeline, takes its own cursor and savepoint), which is slower but right."""
+    try:
+        session = _SESSIONS.get(raw)
+    except TypeError:
+        return Session()
+    if session is None:
+        session = _SESSIONS[raw] = Session()
+        _forget_sessions_of_closed_connections()
+        if not django.pooled(wrapper):
+            # The session's lane and cursor hold ``raw``, so its entry would keep it
+            # alive: forget it with the wrapper (a thread's, dropped with the thread
+            # and never closed). A pool's connections outlive the wrappers that use
+            # them, with their prepared statements; the pool closes them.
+            weakref.finalize(wrapper, _forget, weakref.ref(raw))
+    return session
+
+
+def _forget(raw_ref: weakref.ref) -> None:
+    raw = raw_ref()
+    if raw is not None:
+        _SESSIONS.pop(raw, None)
+
+
+def _forget_sessions_of_closed_connections() -> None:
+    for raw in [raw for raw in _SESSIONS if getattr(raw, "closed", False)]:
+        _SESSIONS.pop(raw, None)
+
+
+def _behind_pooler(wrapper: Any, raw: Any, session: Session, alias: str) -> bool:
     """True when the backend that answers is not the one the connection was opened to.
 
     A server tells its client the process id of the backend it started for it
@@ -52,14 +108,14 @@ def _behind_pooler(raw: Any, alias: str) -> bool:
     its client, so behind such a pooler a name this client prepared may denote another
     client's statement on the backend that runs it: never prepare there.
     """
-    pooled = _POOLED.get(raw)
+    pooled = session.pooled
     if pooled is None:
         # A plain, unprepared statement; in a caller's transaction it reads nothing
         # and writes nothing.
-        with raw.cursor() as probe:
+        with django.as_django_errors(wrapper), raw.cursor() as probe:
             probe.execute("SELECT pg_backend_pid()", prepare=False)
             (serving,) = probe.fetchone()
-        pooled = _POOLED[raw] = serving != raw.info.backend_pid
+        pooled = session.pooled = serving != raw.info.backend_pid
         if pooled and alias not in _POOLER_REPORTED:
             _POOLER_REPORTED.add(alias)
             logger.warning(
@@ -91,7 +147,7 @@ if psycopg is not None:
 
 
 def _sync_timeline(
-    wrapper: Any, raw: Any, send: Callable[[Statement, list[object]], object]
+    wrapper: Any, session: Session, send: Callable[[Statement, list[object]], object]
 ) -> None:
     """Tell this session whether the timeline trigger records (``WORKFLOW_DELIVERY_TIMELINE``),
     by ``send(statement, args)``. A session setting, sent once per connection and again
@@ -99,28 +155,14 @@ def _sync_timeline(
     session's settings (``RESET``, ``DISCARD ALL``: ``_notice_session_reset``); a
     session that never hears it records (the database's default)."""
     wanted = bool(app_settings.TIMELINE)
-    try:
-        recording = _TIMELINE_TOLD.get(raw, True)
-        remember = True
-    except TypeError:
-        # A connection that takes no weak reference: remembered on the wrapper, which
-        # is right as long as no pool hands the session to another wrapper.
-        told = wrapper.__dict__.get("_wd_timeline")
-        recording = told[1] if told is not None and told[0] == id(raw) else True
-        remember = False
-    if recording == wanted:
+    if session.timeline == wanted:
         return
     send(
         statements.SET_TIMELINE,
         statements.SET_TIMELINE.args({"timeline": "on" if wanted else "off"}),
     )
-    if remember:
-        _TIMELINE_TOLD[raw] = wanted
-    else:
-        wrapper._wd_timeline = (id(raw), wanted)
-    if _notice_session_reset not in wrapper.execute_wrappers:
-        # First of the wrappers: Django's execute_wrapper() blocks pop the last.
-        wrapper.execute_wrappers.insert(0, _notice_session_reset)
+    session.timeline = wanted
+    django.keep_execute_wrapper(wrapper, _notice_session_reset)
 
 
 # What a statement's command status is when it put the session's settings back to
@@ -138,9 +180,10 @@ def _notice_session_reset(
     status = getattr(context["cursor"].cursor, "statusmessage", None)
     if status in _RESETS:
         wrapper = context["connection"]
-        with suppress(TypeError):  # a connection that takes no weak reference
-            _TIMELINE_TOLD.pop(wrapper.connection, None)
-        wrapper.__dict__.pop("_wd_timeline", None)
+        raw = django.raw(wrapper)
+        if raw is not None:
+            # Back to the database's default, which records.
+            session_of(wrapper, raw).timeline = True
     return result
 
 
@@ -152,16 +195,13 @@ def _send_through_django(wrapper: Any) -> Callable[[Statement, list[object]], ob
     return send
 
 
-# Where a connection keeps the prepared cursor its statements reuse.
-_REUSED = "_workflow_delivery_cursor"
-
-
 class _Scope:
-    """One use of the app's cursor: its savepoint, Django's checks, the cursor itself,
-    and the translation of database errors, entered and left without the nested
-    context managers a statement would otherwise pay for twice over."""
+    """One use of a cursor for one statement: its savepoint, Django's checks, the
+    cursor itself, and the translation of database errors, entered and left without
+    the nested context managers a statement would otherwise pay for twice over."""
 
-    __slots__ = ("_atomic", "_cursor", "_django", "_reused", "_savepoint", "_using", "_wrapper")
+    __slots__ = ("_atomic", "_cursor", "_django", "_reused", "_savepoint", "_session", "_using")
+    __slots__ += ("_wrapper",)
 
     def __init__(self, using: str, savepoint: bool) -> None:
         self._using = using
@@ -170,12 +210,15 @@ class _Scope:
     def __enter__(self) -> Any:
         wrapper = self._wrapper = connections[self._using]
         self._atomic = None
-        if self._savepoint and wrapper.in_atomic_block and _BARE not in wrapper.__dict__:
-            # Each statement is atomic on its own in autocommit; inside a caller's
-            # transaction a savepoint keeps a refused statement from aborting the
-            # caller's work.
-            self._atomic = transaction.atomic(using=self._using)
-            self._atomic.__enter__()
+        self._session = None
+        if self._savepoint and django.in_transaction(wrapper):
+            raw = django.raw(wrapper)
+            if raw is None or session_of(wrapper, raw).bare is None:
+                # Each statement is atomic on its own in autocommit; inside a caller's
+                # transaction a savepoint keeps a refused statement from aborting the
+                # caller's work.
+                self._atomic = transaction.atomic(using=self._using)
+                self._atomic.__enter__()
         try:
             return self._open(wrapper)
         except BaseException as exc:
@@ -183,31 +226,21 @@ class _Scope:
             raise
 
     def _open(self, wrapper: Any) -> Any:
-        # The checks Django's own cursor() makes before handing out a cursor (the
-        # health check runs once per request; ensure_connection also refuses to run
-        # inside an event loop).
-        if wrapper.health_check_enabled and not wrapper.health_check_done:
-            wrapper.close_if_health_check_failed()
-        wrapper.ensure_connection()
-        raw = wrapper.connection
-        _sync_timeline(wrapper, raw, _send_through_django(wrapper))
+        raw = django.connect(wrapper)
+        session = self._session = session_of(wrapper, raw)
+        _sync_timeline(wrapper, session, _send_through_django(wrapper))
         self._cursor = self._django = None
         self._reused = False
         native = psycopg is not None and isinstance(raw, psycopg.Connection)
         if native:
-            # What Django's cursor checks on every execute: this thread may use the
-            # connection, and the caller's transaction is not already broken.
-            wrapper.validate_thread_sharing()
-            wrapper.validate_no_broken_transaction()
+            django.check_statement(wrapper)
             # Ask about a pooler wherever anything may be prepared: the app's
             # statements, or every statement once the host set prepare_threshold.
-            if app_settings.PREPARED_STATEMENTS or raw.prepare_threshold is not None:
-                with wrapper.wrap_database_errors:
-                    pooled = _behind_pooler(raw, self._using)
-                if pooled:
-                    # Behind a pooler, whatever the settings: never under a prepared name.
-                    self._cursor = _UnpreparedCursor(raw)
-                    return self._cursor
+            preparing = app_settings.PREPARED_STATEMENTS or raw.prepare_threshold is not None
+            if preparing and _behind_pooler(wrapper, raw, session, self._using):
+                # Behind a pooler, whatever the settings: never under a prepared name.
+                self._cursor = _UnpreparedCursor(raw)
+                return self._cursor
         if not (native and app_settings.PREPARED_STATEMENTS):
             try:
                 self._django = wrapper.cursor()
@@ -220,17 +253,15 @@ class _Scope:
             # turns it back on for statements asked to prepare, and only for those.
             raw.prepare_threshold = _NEVER_BY_COUNT
         # Creating and closing a psycopg cursor per statement costs more than the
-        # cursor's own work, so each connection lends out one. A fresh one (closed
-        # after) when that one is lent to an enclosing scope or Django lets threads
-        # share the connection: no two statements ever read each other's results.
-        reused = wrapper.__dict__.get(_REUSED)
-        if wrapper.allow_thread_sharing or (reused is not None and reused.lent):
-            self._reused = False
+        # cursor's own work, so each session lends out one. A fresh one (closed
+        # after) when that one is lent already or Django lets threads share the
+        # connection: no two statements ever read each other's results.
+        reused = session.cursor
+        if django.shared_between_threads(wrapper) or (reused is not None and reused.lent):
             self._cursor = _PreparedCursor(raw)
             return self._cursor
-        if reused is None or reused.connection is not raw or reused.closed:
-            # The first statement on this (possibly re-opened) connection.
-            reused = wrapper.__dict__[_REUSED] = _PreparedCursor(raw)
+        if reused is None or reused.closed:
+            reused = session.cursor = _PreparedCursor(raw)
         reused.lent = True
         self._reused = True
         self._cursor = reused
@@ -243,7 +274,7 @@ class _Scope:
             if exc is not None and self._cursor is not None:
                 # psycopg's error as Django's (which also marks the connection for
                 # Django's end-of-request check), as Django's cursor would.
-                self._wrapper.wrap_database_errors.__exit__(exc_type, exc, tb)
+                django.as_django_errors(self._wrapper).__exit__(exc_type, exc, tb)
             if isinstance(exc, DatabaseError):
                 raise_domain_error(exc)
         except DatabaseError as translated:
@@ -254,8 +285,9 @@ class _Scope:
                 final = mapped
         except BaseException as other:  # noqa: BLE001 - re-raised below
             final = other
-        if final is not None and _BARE in self._wrapper.__dict__:
-            self._wrapper.__dict__[_BARE] = True
+        session = self._session
+        if final is not None and session is not None and session.bare is not None:
+            session.bare = True
         # The savepoint ends with the error the caller will see (rolled back) or none.
         self._leave_atomic(final)
         if final is not exc:
@@ -267,7 +299,7 @@ class _Scope:
             self._django.__exit__(exc_type, exc, tb)
         elif self._reused:
             self._cursor.lent = False
-        else:
+        elif self._cursor is not None:
             self._cursor.close()
 
     def _leave_atomic(self, exc: BaseException | None) -> None:
@@ -277,10 +309,6 @@ class _Scope:
                 atomic.__exit__(None, None, None)
             else:
                 atomic.__exit__(type(exc), exc, exc.__traceback__)
-
-
-# Set on a wrapper inside ``one_transaction``: False, or True once a statement failed.
-_BARE = "_workflow_delivery_one_transaction"
 
 
 class TransactionAborted(DatabaseError):
@@ -296,44 +324,29 @@ def one_transaction(using: str) -> Iterator[None]:
     A statement that fails leaves the transaction aborted; if the caller then
     carries on to commit, ``TransactionAborted`` is raised and nothing commits."""
     wrapper = connections[using]
-    if _BARE in wrapper.__dict__:
+    raw = django.raw(wrapper) if django.in_transaction(wrapper) else None
+    if raw is not None and session_of(wrapper, raw).bare is not None:
         yield
         return
     # The caller's statements and its replay-guard row commit together or not at all.
     with transaction.atomic(using=using):
-        wrapper.__dict__[_BARE] = False
+        session = session_of(wrapper, django.raw(wrapper))
+        session.bare = False
         try:
             yield
-            failed = wrapper.__dict__[_BARE] and not transaction.get_rollback(using=using)
+            failed = session.bare and not transaction.get_rollback(using=using)
         finally:
-            del wrapper.__dict__[_BARE]
+            session.bare = None
         if failed:
             raise TransactionAborted("a statement failed in a transaction that went on to commit")
 
 
-def cursor(using: str, *, savepoint: bool = True) -> _Scope:
-    """A cursor for the app's own statements, with database errors made domain errors.
-
-    With ``WORKFLOW_DELIVERY_PREPARED_STATEMENTS`` (the default) and psycopg 3, the
-    statements go straight to psycopg on Django's connection, bound server-side and
-    prepared, so PostgreSQL parses and plans each one once per connection rather than
-    per call; they then do not appear in ``connection.queries``. Otherwise Django's
-    cursor is used. On a connection that reaches its server through a pooler they are
-    never prepared, whatever this setting or the host's psycopg options say.
-    """
-    return _Scope(using, savepoint)
-
-
-# Where a wrapper keeps the lane of its current raw connection (``_LANES`` owns it).
-_LANE = "_workflow_delivery_lane"
-
-
-def _lane_for(wrapper: Any, using: str) -> _lane.Lane | None:
-    """The connection's lane, when a statement outside any transaction may take it:
-    psycopg 3 with the app's statements prepared (``WORKFLOW_DELIVERY_PREPARED_STATEMENTS``),
-    the session in autocommit and idle, this thread the connection's only user.
-    Anything else takes the cursor path, which does or refuses it the way Django's
-    cursor would.
+def _lane_for(wrapper: Any, using: str) -> tuple[_lane.Lane, Session] | None:
+    """The connection's lane and session, when a statement outside any transaction
+    may take the lane: psycopg 3 with the app's statements prepared
+    (``WORKFLOW_DELIVERY_PREPARED_STATEMENTS``), the session in autocommit and idle,
+    this thread the connection's only user. Anything else takes the cursor path,
+    which does or refuses it the way Django's cursor would.
 
     Only autocommit: psycopg answers every ROLLBACK it runs (a savepoint's too) with a
     DEALLOCATE ALL, which also drops the lane's statements. Outside a transaction the
@@ -341,49 +354,37 @@ def _lane_for(wrapper: Any, using: str) -> _lane.Lane | None:
     the failed statement would already have aborted the caller's transaction."""
     if not (_lane.AVAILABLE and app_settings.PREPARED_STATEMENTS):
         return None
-    if wrapper.health_check_enabled and not wrapper.health_check_done:
+    if django.health_check_pending(wrapper):
         return None
     # Refuses inside an event loop, as Django's cursor() does; opens a closed connection.
-    wrapper.ensure_connection()
-    raw = wrapper.connection
-    lane = wrapper.__dict__.get(_LANE)
-    if lane is None or lane.raw is not raw:
+    raw = django.connect(wrapper)
+    session = session_of(wrapper, raw)
+    lane = session.lane
+    if lane is None:
         if not isinstance(raw, psycopg.Connection):
             return None
-        # A session from a pool may carry the statements an earlier wrapper's lane
-        # prepared on it: the lane that named them goes on with them.
-        lane = _LANES.get(raw)
-        if lane is None:
-            with wrapper.wrap_database_errors:
-                pooled = _behind_pooler(raw, using)
-            lane = _LANES[raw] = _lane.Lane(raw, prepare=not pooled)
-        wrapper.__dict__[_LANE] = lane
+        pooled = _behind_pooler(wrapper, raw, session, using)
+        lane = session.lane = _lane.Lane(raw, prepare=not pooled)
     # A connection shared between threads takes the cursor path (one cursor per
     # statement, psycopg's lock around it); another thread's connection is refused
     # here, as Django's cursor would refuse it.
-    if wrapper.allow_thread_sharing:
+    if django.shared_between_threads(wrapper):
         return None
-    wrapper.validate_thread_sharing()
+    django.check_thread(wrapper)
     if lane.transaction_status != _lane.IDLE or not raw.autocommit:
         return None
-    return lane
+    return lane, session
 
 
 def _raise_mapped(wrapper: Any, exc: BaseException) -> NoReturn:
     """Raise ``exc`` (psycopg's) as Django's cursor would have (which also marks the
     connection for Django's end-of-request check), then as its domain error if any."""
     try:
-        with wrapper.wrap_database_errors:
+        with django.as_django_errors(wrapper):
             raise exc
     except DatabaseError as translated:
         raise_domain_error(translated)
         raise
-
-
-def execute(cursor: Any, statement: Statement, params: Mapping[str, object] | None = None) -> None:
-    """Send ``statement`` with ``params`` (by name) on a DB-API ``cursor``: one of
-    ``cursor()``'s, or Django's own."""
-    cursor.execute(statement.sql, statement.args(params))
 
 
 def fetch(
@@ -394,21 +395,47 @@ def fetch(
     savepoint: bool = True,
 ) -> list[tuple]:
     """Run one of the app's statements with ``params`` (by name) and return every row
-    it answers, with database errors made domain errors.
+    it answers (none for a statement that answers no rows), with database errors made
+    domain errors. The one way the app runs SQL (``fetch_count`` is its sibling for
+    a count of rows changed).
 
     In autocommit the statement is its own transaction, sent through the connection's
     lane (``lane.Lane``) when it may take it. Inside the caller's transaction it runs
-    on ``cursor()``, under a savepoint of its own unless ``savepoint`` is false, so a
-    refused statement leaves the caller's work usable."""
+    on a cursor, under a savepoint of its own unless ``savepoint`` is false, so a
+    refused statement leaves the caller's work usable.
+
+    With ``WORKFLOW_DELIVERY_PREPARED_STATEMENTS`` (the default) and psycopg 3, the
+    statements go straight to psycopg on Django's connection, bound server-side and
+    prepared, so PostgreSQL parses and plans each one once per connection rather than
+    per call; they then do not appear in ``connection.queries``. Otherwise Django's
+    cursor is used. On a connection that reaches its server through a pooler they are
+    never prepared, whatever this setting or the host's psycopg options say."""
     args = statement.args(params)
     wrapper = connections[using]
-    lane = None if wrapper.in_atomic_block else _lane_for(wrapper, using)
-    if lane is None:
+    taken = None if django.in_transaction(wrapper) else _lane_for(wrapper, using)
+    if taken is None:
         with _Scope(using, savepoint) as cursor:
             cursor.execute(statement.sql, args)
-            return cursor.fetchall()
+            return cursor.fetchall() if cursor.description is not None else []
+    lane, session = taken
     try:
-        _sync_timeline(wrapper, lane.raw, lane.run)
+        _sync_timeline(wrapper, session, lane.run)
         return lane.run(statement, args)
     except psycopg.Error as exc:
         _raise_mapped(wrapper, exc)
+
+
+def fetch_count(
+    using: str,
+    statement: Statement,
+    params: Mapping[str, object] | None = None,
+    *,
+    savepoint: bool = True,
+) -> int:
+    """``fetch``, for a statement whose answer is how many rows it changed (a
+    ``DELETE`` with no ``RETURNING``): that count. Always on a cursor, in autocommit
+    or in the caller's transaction (under a savepoint unless ``savepoint`` is false)."""
+    args = statement.args(params)
+    with _Scope(using, savepoint) as cursor:
+        cursor.execute(statement.sql, args)
+        return cursor.rowcount

@@ -463,6 +463,18 @@ SELECT l.n, s.n IS NOT NULL,
  FOR SHARE)
   FROM leases AS l LEFT JOIN settled AS s ON s.n = l.n;
 
+-- name: HEARTBEAT_RENEW --
+UPDATE "workflow_agent_deliveries"
+   SET lease_until = statement_timestamp() + make_interval(secs => %(lease_seconds)s)
+ WHERE 
+  community_id = %(community_id)s AND id = %(delivery_id)s
+  AND target_pubkey = %(target_pubkey)s AND lease_generation = %(generation)s
+
+  AND status = 'claimed' AND lease_until >= statement_timestamp()
+  AND pg_advisory_xact_lock_shared(hashtextextended('workflow_delivery.community_deletion:' || community_id::text, 0)) IS NOT NULL
+  AND (SELECT set_config('lock_timeout', %(lock_timeout)s, true)) IS NOT NULL
+RETURNING lease_until;
+
 -- name: HELD_FINISH --
 UPDATE "workflow_agent_deliveries"
    SET status = %(outcome)s, finished_at = statement_timestamp(), lease_until = NULL, claimed_at = NULL

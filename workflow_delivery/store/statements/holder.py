@@ -228,3 +228,19 @@ SELECT id, created_at, pubkey, kind, tags::text, content, content_json IS NOT NU
   FROM {EVENTS}
  WHERE community_id = %(community_id)s::uuid AND id = ANY(%(event_ids)s::bytea[])
 """)
+
+
+# --- The consumer's heartbeat --------------------------------------------------------
+
+# The heartbeat's renew (RENEW) that waits at most ``lock_timeout`` (a setting's text,
+# '500ms') for a lock, in one statement: the scalar subquery is a gate PostgreSQL
+# evaluates once, before the scan (a one-time filter), so the transaction-local
+# setting holds for every lock the renew then waits for, the deletion lock and the
+# row. In autocommit the statement is its own transaction, and the setting ends
+# with it. Answers the new lease_until.
+HEARTBEAT_RENEW = Statement(f"""
+UPDATE {DELIVERIES}
+   SET lease_until = statement_timestamp() + make_interval(secs => %(lease_seconds)s)
+ WHERE {LIVE_LEASE}  AND (SELECT set_config('lock_timeout', %(lock_timeout)s, true)) IS NOT NULL
+RETURNING lease_until
+""")
