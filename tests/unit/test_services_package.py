@@ -12,6 +12,7 @@ from workflow_delivery.services import sending
 AUDIENCES = [
     "producer",
     "holder",
+    "admitted",
     "maintenance",
     "operator",
     "replay",

@@ -4,6 +4,8 @@
 - ``sending``: ``send_message``, the one-call producer built on ``producer``;
 - ``holder``: what an agent does with a delivery: claim, renew, finish, retry, give
   back, hold its row for fenced effects, wait idle, read it;
+- ``admitted``: the same claim, renew and finish for the signed API, each on a request
+  admitted in its own statement;
 - ``maintenance``: the reaper's and the prune command's sweeps;
 - ``operator``: the admin's bulk release, fail and retry;
 - ``replay``: the signed API's request admission and replay guard;
@@ -18,6 +20,14 @@ Expected outcomes (a miss, a lost lease) are values; database rule violations be
 named exceptions.
 """
 
+from .admitted import (
+    claim_admitted,
+    claim_batch_admitted,
+    claim_enrolled,
+    finish_admitted,
+    finish_and_claim_next_admitted,
+    renew_admitted,
+)
 from .communities import create_community
 from .fence import (
     PURGE_ATTEMPTS,
@@ -31,14 +41,9 @@ from .holder import (
     MAX_BATCH_SIZE,
     Held,
     checked_lease_seconds,
-    claim_admitted,
-    claim_batch_admitted,
     claim_deliveries,
     claim_delivery,
-    claim_enrolled,
-    finish_admitted,
     finish_and_claim_next,
-    finish_and_claim_next_admitted,
     finish_deliveries,
     finish_delivery,
     get_delivery,
@@ -47,7 +52,6 @@ from .holder import (
     message_events,
     register_idle,
     release_lease,
-    renew_admitted,
     renew_delivery,
     renew_waiting_at_most,
     retry_delivery,

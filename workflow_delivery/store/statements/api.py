@@ -138,10 +138,10 @@ _REFUSE_UNLESS_SETTLED = f"""CASE WHEN seen.recorded AND seen.settled IS NULL
 
 
 def _served_claim(match: str = "", limit: str = "%(limit)s") -> Statement:
-    """The holder's claim (``holder._claim``) of the caller's oldest claimable deliveries that
-    meet ``match``, up to ``limit``, each answered with its record and its message;
-    one row of admission alone when nothing was claimed. Parameters after the
-    admission's: ``lease_seconds``, ``limit`` and ``match``'s."""
+    """The holder's claim (``holder._claim_statement``) of the caller's oldest claimable
+    deliveries that meet ``match``, up to ``limit``, each answered with its record and
+    its message; one row of admission alone when nothing was claimed. Parameters after
+    the admission's: ``lease_seconds``, ``limit`` and ``match``'s."""
     return _admitted(
         claiming(_ADMITTED_COMMUNITY, _CALLER, match, limit),
         f"""SELECT {_ADMISSION}, {CLAIMED_RECORD}, {_MESSAGE_COLUMNS}
