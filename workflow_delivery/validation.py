@@ -115,6 +115,17 @@ def checked_batch_size(value: object, default: object = None) -> int:
     return size
 
 
+def checked_batch_seconds(value: object, default: object = None) -> float:
+    """How long one batch aims to take: a number of seconds, 0 or more (``default``
+    for None)."""
+    seconds = default if value is None else value
+    if not is_delay_seconds(seconds):
+        raise ProtocolError(
+            "batch_seconds", f"must be a number of seconds, 0 or more, not {seconds!r}"
+        )
+    return seconds
+
+
 def checked_yield_ratio(value: object, default: float) -> float:
     """A sweep's rest after a full batch, in multiples of that batch (``default`` for
     None): a number from 0 to 100."""

@@ -34,7 +34,7 @@ from ..models import DeletionState
 from ..protocol import as_uuid
 from ..store import django_adapter, run, statements
 from ..store.errors import database_errors
-from ..validation import checked_batch_size, is_delay_seconds
+from ..validation import checked_batch_seconds, checked_batch_size
 
 __all__ = [
     "PURGE_ATTEMPTS",
@@ -181,11 +181,7 @@ def purge_community(
     ``PurgeDeadlocked``, never the driver's error."""
     community_id = as_uuid("community_id", community_id)
     most = checked_batch_size(batch_size, app_settings.PURGE_BATCH_SIZE)
-    target = app_settings.PURGE_BATCH_SECONDS if batch_seconds is None else batch_seconds
-    if not is_delay_seconds(target):
-        raise ProtocolError(
-            "batch_seconds", f"must be a number of seconds, 0 or more, not {target!r}"
-        )
+    target = checked_batch_seconds(batch_seconds, app_settings.PURGE_BATCH_SECONDS)
     size = most if not target else min(most, FIRST_PURGE_BATCH)
     attempts = 1 if django_adapter.in_transaction(connections[using]) else PURGE_ATTEMPTS
     deleted = {table: 0 for table, _ in statements.PURGE}
