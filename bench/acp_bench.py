@@ -295,7 +295,7 @@ def api_long_turn(api: str) -> dict[str, object]:
 def api_lease_lost(api: str) -> dict[str, object]:
     from workflow_delivery.keys import public_key_bytes
     from workflow_delivery.models import Event
-    from workflow_delivery.roster import revoke_agent
+    from workflow_delivery.services import revoke_agent
     from workflow_delivery.services import get_delivery
 
     owner, secret, peer, [delivery] = _keyed("api-lost", 1, "placeholder")
@@ -367,7 +367,7 @@ def api_chaos(
 
     from workflow_delivery.keys import public_key_bytes
     from workflow_delivery.models import AgentTurn, Community, Event, WorkflowAgentDelivery
-    from workflow_delivery.roster import enroll_agents
+    from workflow_delivery.services import enroll_agents
     from workflow_delivery.services import reap_expired_deliveries, send_message
 
     rng = random.Random(seed)
