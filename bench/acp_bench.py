@@ -295,8 +295,7 @@ def api_long_turn(api: str) -> dict[str, object]:
 def api_lease_lost(api: str) -> dict[str, object]:
     from workflow_delivery.keys import public_key_bytes
     from workflow_delivery.models import Event
-    from workflow_delivery.services import revoke_agent
-    from workflow_delivery.services import get_delivery
+    from workflow_delivery.services import get_delivery, revoke_agent
 
     owner, secret, peer, [delivery] = _keyed("api-lost", 1, "placeholder")
     Event.objects.filter(community_id=owner.id).update(content=f"hang-reply {peer.hex()}")
@@ -367,8 +366,7 @@ def api_chaos(
 
     from workflow_delivery.keys import public_key_bytes
     from workflow_delivery.models import AgentTurn, Community, Event, WorkflowAgentDelivery
-    from workflow_delivery.services import enroll_agents
-    from workflow_delivery.services import reap_expired_deliveries, send_message
+    from workflow_delivery.services import enroll_agents, reap_expired_deliveries, send_message
 
     rng = random.Random(seed)
     # The runtime's command names the server's own host: the community is served there.
