@@ -15,14 +15,17 @@ processes each (gunicorn: gthread, 4 threads a worker; uvicorn: the project's
 and then the HTTP phase from the same seed, so a busy machine loads both alike; the
 ratio is HTTP deliveries/s over in-process claim+finish cycles/s of that pair. The
 batch line claims and finishes ``--batch`` deliveries per request. Each side runs
-``--agents`` processes that start together on a barrier; only cycles that end
-inside the measured window count. Each side's CPU per cycle is reported too: the
-agents' own processes, and the rest of the machine (the server, PostgreSQL, anything
-else running), from ``/proc/stat``. Each HTTP agent is an ``AgentClient`` (signing
-every request). Then, per server, ``--wake-samples`` commit -> ``wait`` answers of
-one parked agent (and the same for an agent parked in a claim with ``wait``,
-commit -> lease in hand), and (uvicorn) the HTTP side again while ``--waiters`` other
-agents sit in ``wait``, against the HTTP side alone just before.
+``--agents`` processes that start together on a barrier; only cycles that end inside
+the measured window count. Each side's CPU per cycle is reported too: the agents'
+own processes, and the rest of the machine (the server, PostgreSQL, anything else
+running), from ``/proc/stat``; and the HTTP side's server CPU per request: the
+server's processes (its process group: the master and its workers, from
+``/proc/PID/stat``) over every request the agents sent in the phase. Each HTTP agent
+is an ``AgentClient`` (signing every request). Then, per server, ``--wake-samples``
+commit -> ``wait`` answers of one parked agent (and the same for an agent parked in
+a claim with ``wait``, commit -> lease in hand), and (uvicorn) the HTTP side again
+while ``--waiters`` other agents sit in ``wait``, against the HTTP side alone just
+before.
 
 ``--capacity N[,N...]`` measures only the waiting capacity of one uvicorn worker: N
 agents parked in ``POST v1/claim`` with ``wait`` (a second process, raw HTTP/1.1 over
@@ -91,7 +94,14 @@ def _agent(
     mode: str, index: int, secret: bytes, where: str, community: str, batch: int, barrier, stop, out
 ):
     """One agent process: claim + finish until ``stop``, stamping each cycle's end
-    with the deliveries it settled (``http-batch``: up to ``batch`` per request)."""
+    with the deliveries it settled (``http-batch``: up to ``batch`` per request), and
+    counting the requests it sent (none in process)."""
+    requests = [0]
+
+    def sent(answer):
+        requests[0] += 1
+        return answer
+
     if mode == "service":
         common.setup_django(where)
         from django.db import connections
@@ -114,10 +124,10 @@ def _agent(
         client = AgentClient(f"{where}/agents/", secret)
 
         def claim():
-            return client.claim_many(batch, lease_seconds=LEASE_SECONDS) or None
+            return sent(client.claim_many(batch, lease_seconds=LEASE_SECONDS)) or None
 
         def finish(claimed):
-            return client.finish_many([(lease, "finished") for lease, _record in claimed])
+            return sent(client.finish_many([(lease, "finished") for lease, _ in claimed]))
 
         close = client.close
     elif mode == "http-next":
@@ -129,11 +139,11 @@ def _agent(
         held: list = [None]
 
         def claim():
-            return held[0] or client.claim(lease_seconds=LEASE_SECONDS)
+            return held[0] or sent(client.claim(lease_seconds=LEASE_SECONDS))
 
         def finish(claimed):
-            answer = client.finish_and_claim_next(
-                claimed[0], "finished", lease_seconds=LEASE_SECONDS
+            answer = sent(
+                client.finish_and_claim_next(claimed[0], "finished", lease_seconds=LEASE_SECONDS)
             )
             held[0] = answer.next
             return answer.result
@@ -145,10 +155,10 @@ def _agent(
         client = AgentClient(f"{where}/agents/", secret)
 
         def claim():
-            return client.claim(lease_seconds=LEASE_SECONDS)
+            return sent(client.claim(lease_seconds=LEASE_SECONDS))
 
         def finish(claimed):
-            return client.finish(claimed[0], "finished")
+            return sent(client.finish(claimed[0], "finished"))
 
         close = client.close
     stamps: list[tuple[float, float, int]] = []
@@ -169,12 +179,20 @@ def _agent(
         cpu = time.process_time() - cpu_started
     finally:
         close()
-        out.put((index, stamps, misses, cpu))
+        out.put((index, stamps, misses, cpu, requests[0]))
 
 
 def _phase(
-    mode: str, where: str, community: str, secrets: list[bytes], options, label: str = ""
+    mode: str,
+    where: str,
+    community: str,
+    secrets: list[bytes],
+    options,
+    label: str = "",
+    server: int | None = None,
 ) -> dict:
+    """One side's run; ``server``: the HTTP server's process group, whose CPU per
+    request (every request of the phase, warm-up included) is reported too."""
     context = mp.get_context("spawn")
     barrier = context.Barrier(len(secrets) + 1)
     stop = context.Event()
@@ -189,6 +207,7 @@ def _phase(
     try:
         barrier.wait(120)
         started, busy_started = time.monotonic(), _machine_busy_seconds()
+        server_started = _group_cpu_seconds(server) if server is not None else float("nan")
         begin = started + options.warmup
         end = begin + options.seconds
         time.sleep(end - time.monotonic())
@@ -197,19 +216,22 @@ def _phase(
     busy = _machine_busy_seconds() - busy_started
     elapsed = time.monotonic() - started
     results = [out.get(timeout=60) for _ in workers]
+    # After the agents' last answers: their requests' work on the server is done.
+    server_cpu = _group_cpu_seconds(server) - server_started if server is not None else float("nan")
     for worker in workers:
         worker.join(30)
     inside = [
         (lat, settled)
-        for _, stamps, _, _ in results
+        for _, stamps, _, _, _ in results
         for stamp, lat, settled in stamps
         if begin <= stamp < end
     ]
-    misses = sum(miss for _, _, miss, _ in results)
+    misses = sum(miss for _, _, miss, _, _ in results)
     # Every cycle of the phase, warm-up included, against the CPU it cost: the agents'
     # own (their processes) and the machine's whole (the server, PostgreSQL and all).
-    cycles = sum(len(stamps) for _, stamps, _, _ in results) or float("nan")
-    agents_cpu = sum(cpu for _, _, _, cpu in results)
+    cycles = sum(len(stamps) for _, stamps, _, _, _ in results) or float("nan")
+    agents_cpu = sum(cpu for _, _, _, cpu, _ in results)
+    requests = sum(sent for *_, sent in results) or float("nan")
     settled = sum(count for _, count in inside)
     inside = [lat for lat, _ in inside]
     return {
@@ -223,7 +245,26 @@ def _phase(
         "agent_cpu_us_per_cycle": agents_cpu / cycles * 1e6,
         "other_cpu_us_per_cycle": (busy - agents_cpu) / cycles * 1e6,
         "busy_cores": busy / elapsed,
+        "requests": requests,
+        "server_cpu_ms_per_request": server_cpu / requests * 1000,
     }
+
+
+def _group_cpu_seconds(group: int) -> float:
+    """CPU seconds (user and system) the live processes of process group ``group`` have
+    used so far: a server started in a session of its own, its workers included."""
+    ticks = 0
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as stat:
+                fields = stat.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[2]) == group:
+            ticks += int(fields[11]) + int(fields[12])
+    return ticks / os.sysconf("SC_CLK_TCK")
 
 
 def _machine_busy_seconds() -> float:
@@ -779,7 +820,7 @@ def _row(side: dict) -> str:
         f"| {side['mode']} | {side['cycles_per_s']:.0f} | {side['deliveries_per_s']:.0f} "
         f"| {side['p50_ms']:.2f} | {side['p99_ms']:.2f} | {side['misses']} "
         f"| {side['agent_cpu_us_per_cycle']:.0f} | {side['other_cpu_us_per_cycle']:.0f} "
-        f"| {side['busy_cores']:.2f} |"
+        f"| {side['busy_cores']:.2f} | {side['server_cpu_ms_per_request']:.2f} |"
     )
 
 
@@ -807,6 +848,7 @@ def main(argv: list[str] | None = None) -> int:
             flush=True,
         )
         pool = {"DATABASE_POOL_SIZE": str(options.pool)} if options.pool else None
+        processes: dict[str, list] = {server: [] for server in servers}
         urls = {
             server: stack.enter_context(
                 common.api_server(
@@ -814,10 +856,13 @@ def main(argv: list[str] | None = None) -> int:
                     server=server,
                     workers=options.server_workers,
                     env=pool,
+                    started=processes[server],
                 )
             )
             for server in servers
         }
+        # Each server runs in a session of its own: its process group is its pid.
+        groups = {server: started[0].pid for server, started in processes.items()}
         # Each HTTP phase right after an in-process phase of its own, from the same
         # seed: on a busy machine the pair sees the same load.
         runs: list[dict] = []
@@ -831,12 +876,15 @@ def main(argv: list[str] | None = None) -> int:
                     _seed(db, tenant, keys, options.rows)
                     service = _phase("service", db.name, community, secrets, options)
                     _seed(db, tenant, keys, options.rows)
-                    http = _phase(mode, urls[server], community, secrets, options, label)
+                    http = _phase(
+                        mode, urls[server], community, secrets, options, label, groups[server]
+                    )
                     ratio = http["deliveries_per_s"] / (service["cycles_per_s"] or float("nan"))
                     rounds[label] = {"service": service, "http": http, "ratio": ratio}
                     print(
                         f"  run {run}, {label}: {http['deliveries_per_s']:.0f} deliveries/s"
-                        f" / in-process {service['cycles_per_s']:.0f} = {ratio:.3f}",
+                        f" / in-process {service['cycles_per_s']:.0f} = {ratio:.3f};"
+                        f" server CPU {http['server_cpu_ms_per_request']:.2f} ms a request",
                         flush=True,
                     )
             runs.append(rounds)
@@ -858,14 +906,22 @@ def main(argv: list[str] | None = None) -> int:
         waiting = crowd_ratio = None
         if options.waiters and "uvicorn" in urls:
             _seed(db, tenant, keys, options.rows)
-            alone = _phase("http", urls["uvicorn"], community, secrets, options)
+            alone = _phase(
+                "http", urls["uvicorn"], community, secrets, options, server=groups["uvicorn"]
+            )
             _seed(db, tenant, keys, options.rows)
             stop = threading.Event()
             crowd = _waiters(urls["uvicorn"], waiter_secrets, stop)
             time.sleep(2.0)
             try:
                 waiting = _phase(
-                    "http", urls["uvicorn"], community, secrets, options, "uvicorn+waiters"
+                    "http",
+                    urls["uvicorn"],
+                    community,
+                    secrets,
+                    options,
+                    "uvicorn+waiters",
+                    groups["uvicorn"],
                 )
             finally:
                 stop.set()
@@ -878,9 +934,10 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print(
         "| run | side | cycles/s | deliveries/s | p50 cycle ms | p99 cycle ms | misses "
-        "| agents' CPU µs/cycle | rest of the machine µs/cycle | busy cores |"
+        "| agents' CPU µs/cycle | rest of the machine µs/cycle | busy cores "
+        "| server CPU ms/request |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for run, rounds in enumerate(runs, 1):
         for round_ in rounds.values():
             for side in (round_["service"], round_["http"]):
