@@ -110,9 +110,9 @@ def test_sigterm_cancels_the_turn_releases_its_lease_and_exits_zero(pending):
         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     try:
-        assert eventually(lambda: status(delivery) is DeliveryStatus.CLAIMED, 20)
+        assert eventually(lambda: status(delivery) is DeliveryStatus.CLAIMED, 60)
         process.send_signal(signal.SIGTERM)
-        out, err = process.communicate(timeout=20)
+        out, err = process.communicate(timeout=60)
     finally:
         if process.poll() is None:
             process.kill()

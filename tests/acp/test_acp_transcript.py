@@ -152,7 +152,7 @@ def test_a_lost_lease_stores_nothing(roster):
         revoke_agent(owner.id, agent)
         assert eventually(lambda: runner.handler.cancelled_at, 5)
         # The turn ends (cancelled) and the handler has returned before the stop.
-        assert eventually(lambda: runner.consumer.stats.lost == 1, 10)
+        assert eventually(lambda: runner.consumer.stats.lost == 1, 60)
     assert status(hung) is DeliveryStatus.PENDING
     assert turns_of(hung) == []
 
