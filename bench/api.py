@@ -253,18 +253,17 @@ def _phase(
 def _group_cpu_seconds(group: int) -> float:
     """CPU seconds (user and system) the live processes of process group ``group`` have
     used so far: a server started in a session of its own, its workers included."""
-    ticks = 0
+    seconds = 0.0
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
         try:
-            with open(f"/proc/{entry}/stat") as stat:
-                fields = stat.read().rsplit(")", 1)[1].split()
+            process_group, cpu = common.process_cpu(int(entry))
         except OSError:
             continue
-        if int(fields[2]) == group:
-            ticks += int(fields[11]) + int(fields[12])
-    return ticks / os.sysconf("SC_CLK_TCK")
+        if process_group == group:
+            seconds += cpu
+    return seconds
 
 
 def _machine_busy_seconds() -> float:
@@ -550,10 +549,7 @@ def _process_figures(pid: int) -> tuple[float, float]:
     """A process's resident memory (MiB, ``VmRSS``) and CPU seconds so far."""
     with open(f"/proc/{pid}/status") as status:
         rss_kib = next(int(line.split()[1]) for line in status if line.startswith("VmRSS:"))
-    with open(f"/proc/{pid}/stat") as stat:
-        fields = stat.read().rsplit(")", 1)[1].split()
-    cpu = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-    return rss_kib / 1024, cpu
+    return rss_kib / 1024, common.process_cpu(pid)[1]
 
 
 def _open_files(pid: int) -> int:

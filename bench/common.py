@@ -95,6 +95,15 @@ def connect(info: dict[str, Any]) -> psycopg.Connection:
     return psycopg.connect(**info, autocommit=True)
 
 
+def process_cpu(pid: int) -> tuple[int, float]:
+    """Process ``pid``'s process group and the CPU seconds (user and system) it has used
+    so far, from ``/proc/PID/stat`` (fields 5, 14 and 15 of proc(5), counted after the
+    command name, which may hold spaces and parentheses)."""
+    with open(f"/proc/{pid}/stat") as stat:
+        fields = stat.read().rsplit(")", 1)[1].split()
+    return int(fields[2]), (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 @dataclass(frozen=True)
 class BenchDb:
     name: str

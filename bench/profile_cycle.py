@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import cProfile
-import os
 import pstats
 import statistics
 import sys
@@ -128,9 +127,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _backend_cpu(pid: int) -> float:
     """The CPU seconds (user and system) the PostgreSQL backend ``pid`` has used."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    # utime and stime, fields 14 and 15 of proc(5), counted after the command name.
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return common.process_cpu(pid)[1]
 
 
 if __name__ == "__main__":
