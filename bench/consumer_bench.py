@@ -23,7 +23,16 @@ from tqdm import tqdm
 
 from bench import common
 from bench.benchmarks import Figure, Options, _pending_rows
-from bench.workers import BASELINE, BOTH, SERVICE, Spec, run_phase
+from bench.workers import (
+    BASELINE,
+    BASELINE_CLAIM,
+    BASELINE_FINISH,
+    BASELINE_FINISH_AND_CLAIM,
+    BOTH,
+    SERVICE,
+    Spec,
+    run_phase,
+)
 
 CONSUMER_PROCESSES = 8
 TARGETS_PER_PROCESS = 8
@@ -120,6 +129,44 @@ def _bare_loop_process(
                 services.finish_delivery(claimed[0], Outcome.FINISHED)
     finally:
         connections.close_all()
+
+
+def _hand_loop_process(
+    db: common.BenchDb,
+    community_id: uuid.UUID,
+    targets: list[bytes],
+    statements: int,
+    events: Any,
+    stop: Any,
+) -> None:
+    """The consumer's busy loop written by hand over the same targets, taken in turn,
+    prepared statements on one connection: ``statements`` 1 settles the held delivery
+    and claims the next target's in one statement (``BASELINE_FINISH_AND_CLAIM``; a
+    plain claim only when nothing is held), 2 claims and then finishes."""
+    lease = 60
+    with db.connect() as conn:
+        cursor = conn.cursor()
+        events.put(("ready", "", time.monotonic()))
+        held: tuple | None = None
+        n = 0
+        while not stop.is_set():
+            target = targets[n % len(targets)]
+            n += 1
+            if held is None or statements == 2:
+                cursor.execute(BASELINE_CLAIM, [community_id, target, lease], prepare=True)
+                row = cursor.fetchone()
+                if row is None:
+                    continue
+                held = (row[0], target, row[14])
+                if statements == 2:
+                    cursor.execute(BASELINE_FINISH, [community_id, *held], prepare=True)
+                    cursor.fetchone()
+                    held = None
+                continue
+            arguments = [community_id, *held, community_id, target, lease]
+            cursor.execute(BASELINE_FINISH_AND_CLAIM, arguments, prepare=True)
+            row = cursor.fetchone()
+            held = None if row[1] is None else (row[1], target, row[15])
 
 
 class Fleet:
@@ -402,13 +449,21 @@ def _database_now(db: common.BenchDb) -> Any:
 
 
 def _throughput_window(
-    db: common.BenchDb, options: Options, side: str, desc: str
+    db: common.BenchDb,
+    options: Options,
+    side: str,
+    desc: str,
+    *,
+    processes: int | None = None,
+    hand_written: int | None = None,
 ) -> tuple[float, list[dict[str, int]]]:
     """Deliveries/s settled by the processes of one side, and (consumer side) each
     consumer's counts: the ones with an empty handler, plus one whose handler runs
     through the whole window on a delivery of its own, so a heartbeat that loses
-    its race against the load shows as a lost lease."""
-    processes = options.workers or CONSUMER_PROCESSES
+    its race against the load shows as a lost lease. The baseline side is the
+    services' claim+finish loop, or with ``hand_written`` (1 or 2) that many
+    hand-written statements a delivery (``_hand_loop_process``)."""
+    processes = processes or options.workers or CONSUMER_PROCESSES
     with db.connect() as conn:
         tenant = common.cycle_tenant(conn, "consume", _pending_rows(options))
         slow_tenant = common.create_tenant(conn, "slow")
@@ -423,6 +478,8 @@ def _throughput_window(
             if side == SERVICE:
                 # The consumer's defaults (lease, heartbeat, poll), as deployed.
                 fleet.start_consumer(db, tenant.community_id, targets, "empty", grace_seconds=5)
+            elif hand_written:
+                fleet.start(_hand_loop_process, db, tenant.community_id, targets, hand_written)
             else:
                 fleet.start(_bare_loop_process, db, tenant.community_id, targets)
         ready = processes
@@ -491,9 +548,47 @@ def consumer(db: common.BenchDb, options: Options) -> list[Figure]:
     ]
 
 
+def consumer_next(db: common.BenchDb, options: Options) -> list[Figure]:
+    """The ``Consumer``'s busy loop (empty handler, the defaults: each settle claims
+    the next delivery in the same statement) against the same targets drained by
+    hand-written loops: one statement a delivery (settle and claim), and two (claim,
+    finish); at 8 processes (``--workers``) and 1. Each round runs the three sides in
+    turn, in windows of their own."""
+    figures = []
+    for processes in sorted({1, options.workers or CONSUMER_PROCESSES}, reverse=True):
+        rates: dict[str | int, list[float]] = {SERVICE: [], 1: [], 2: []}
+        for round_ in range(1, options.rounds + 1):
+            for side in (1, SERVICE, 2):
+                desc = f"consumer_next {side}, {processes} processes #{round_}"
+                if side == SERVICE:
+                    rate, _ = _throughput_window(db, options, SERVICE, desc, processes=processes)
+                else:
+                    rate, _ = _throughput_window(
+                        db, options, BASELINE, desc, processes=processes, hand_written=side
+                    )
+                rates[side].append(rate)
+        for statements, against, bar in (
+            (1, "hand-written one-statement settle-and-claim loop", 0.95),
+            (2, "hand-written two-statement claim+finish loop", 1.3),
+        ):
+            figures.append(
+                Figure(
+                    "consumer_next",
+                    f"Consumer (empty handler) vs {against}, "
+                    f"{processes} process{'es' if processes > 1 else ''}",
+                    mean(rates[SERVICE]),
+                    mean(rates[statements]),
+                    "deliveries/s",
+                    bar=bar,
+                )
+            )
+    return figures
+
+
 CONSUMER_BENCHMARKS: dict[str, Callable[[common.BenchDb, Options], list[Figure]]] = {
     "wake": wake,
     "recovery": recovery,
     "notify": notify,
     "consumer": consumer,
+    "consumer_next": consumer_next,
 }

@@ -21,6 +21,7 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_consumer_benchmarks_run_and_drop_their_database(db, tmp_path: Path) -> None:
     report = tmp_path / "bench.json"
     command = [sys.executable, str(ROOT / "bench" / "run.py"), "wake", "notify", "consumer"]
+    command += ["consumer_next"]
     command += ["--seconds", "0.3", "--warmup", "0", "--workers", "1", "--rounds", "1"]
     command += ["--rows", "200", "--json", str(report)]
     proc = subprocess.Popen(
@@ -32,8 +33,10 @@ def test_consumer_benchmarks_run_and_drop_their_database(db, tmp_path: Path) -> 
 
     figures = json.loads(report.read_text())["figures"]
     by_benchmark = {f["benchmark"] for f in figures}
-    assert by_benchmark == {"wake", "notify", "consumer"}
+    assert by_benchmark == {"wake", "notify", "consumer", "consumer_next"}
     assert len([f for f in figures if f["benchmark"] == "notify"]) == 4
+    # One process: the consumer against the one- and the two-statement loop.
+    assert len([f for f in figures if f["benchmark"] == "consumer_next"]) == 2
     # Every measured figure is a number (a benchmark that saw nothing would give NaN).
     assert all(f["value"] == f["value"] for f in figures), figures
 
