@@ -267,6 +267,44 @@ def test_a_waiting_claim_takes_a_delivery_committed_while_it_waits(client, agent
 
 
 @pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize("max_age", [60, 0], ids=["persistent", "per-request"])
+def test_a_wsgi_thread_keeps_its_persistent_connection_while_its_claim_waits(
+    client, agent, settings, monkeypatch, max_age
+):
+    """On a WSGI server's thread (the test client's) whose connection persists past the
+    request, the waiting claim keeps it while it waits and claims on it when woken;
+    with connections closed after each request it is released while the claim waits."""
+    settings.WORKFLOW_DELIVERY_NOTIFY = True
+    claim(client, agent)
+    thread_connection = connections["default"]
+    thread_connection.close()
+    monkeypatch.setitem(thread_connection.settings_dict, "CONN_MAX_AGE", max_age)
+    with thread_connection.cursor() as cursor:
+        cursor.execute("SELECT pg_backend_pid()")
+        (before,) = cursor.fetchone()
+    during: list = []
+
+    def look_and_commit() -> None:
+        raw = thread_connection.connection
+        during.append(None if raw is None or raw.closed else raw.info.backend_pid)
+        factories.committed(
+            factories.Step(owner=agent.step.community, targets=[agent.pubkey], step_id="later")
+        )
+
+    committer = _later(agent, 0.5, look_and_commit)
+    claimed = answer(agent.call(client, "POST", "v1/claim", {"wait": 10}), 200)
+    committer.join(10)
+    assert claimed["delivery"]["step_id"] == "later"
+    if max_age:
+        assert during == [before]
+        with thread_connection.cursor() as cursor:
+            cursor.execute("SELECT pg_backend_pid()")
+            assert cursor.fetchone() == (before,)
+    else:
+        assert during == [None]
+
+
+@pytest.mark.django_db(transaction=True)
 def test_a_key_revoked_while_its_claim_waits_claims_nothing(client, agent, settings):
     settings.WORKFLOW_DELIVERY_NOTIFY = False
     settings.WORKFLOW_DELIVERY_API_WAIT_POLL_SECONDS = 0.2

@@ -6,9 +6,13 @@ from __future__ import annotations
 
 import select
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
+from django.core.handlers.wsgi import WSGIRequest
 from django.db import DEFAULT_DB_ALIAS, connections
+from django.http import HttpRequest
 
 from ..store import django_adapter as django
 from .asgi import on_pooled_thread
@@ -48,11 +52,38 @@ def check_connection(using: str = DEFAULT_DB_ALIAS) -> None:
 wait_gate = threading.BoundedSemaphore(4)
 
 
+def outlives_request(request: HttpRequest) -> bool:
+    """Whether this thread's connection outlives the request anyway: a pooled thread's
+    (``asgi.PooledThreadsHandler``), or a WSGI server thread's with persistent
+    connections (``CONN_MAX_AGE`` not 0), which serves the thread's next request.
+    Closing such a connection while the request waits frees no session for long, and
+    costs the wait's next statement (the claim after a wake-up) a new one. The server's
+    threads bound how many such connections there are."""
+    if on_pooled_thread():
+        return True
+    max_age = connections[DEFAULT_DB_ALIAS].settings_dict.get("CONN_MAX_AGE", 0)
+    return isinstance(request, WSGIRequest) and max_age != 0
+
+
+@contextmanager
+def waiting_work(request: HttpRequest) -> Iterator[None]:
+    """A waiting request's database work: through the wait gate, and the connection
+    released after it, so the wait itself holds none; where the connection outlives
+    the request anyway (``outlives_request``), on the thread's own connection, with
+    no gate."""
+    if outlives_request(request):
+        yield
+        return
+    with wait_gate:
+        try:
+            yield
+        finally:
+            release_connection()
+
+
 def release_connection() -> None:
     """Close this thread's connection unless a transaction holds it: a waiting request
-    needs none while it waits (CONN_MAX_AGE would otherwise keep it until the end).
-    A pooled thread's connection stays: the thread's other requests use it
-    (``asgi.PooledThreadsHandler``), and there are only so many such threads."""
+    needs none while it waits (CONN_MAX_AGE would otherwise keep it until the end)."""
     connection = connections[DEFAULT_DB_ALIAS]
-    if not django.in_transaction(connection) and not on_pooled_thread():
+    if not django.in_transaction(connection):
         connection.close()

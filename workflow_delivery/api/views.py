@@ -53,9 +53,9 @@ from ..protocol import (
 from ..store.run import one_transaction
 from ..validation import AGENT_TURN_TEXT_MAX_BYTES
 from . import schema
-from .asgi import Parked, on_pooled_thread, parking_loop
+from .asgi import Parked, parking_loop
 from .auth import ApiError, NostrAuth, Signed, request_event
-from .connection import check_connection, release_connection, wait_gate
+from .connection import check_connection, waiting_work
 from .wake import Waiter, hub
 
 
@@ -337,33 +337,24 @@ def _claim_now(
         services.prune_replay_guard_now_and_then()
 
 
-def _gated(work: Callable[[], object]) -> object:
-    """A waiting request's database work: through the wait gate, and the connection
-    released after it, so the wait itself holds none. On a thread of
-    ``api.asgi.PooledThreadsHandler`` the thread's own connection serves it, and those
-    threads already bound how many are in use: no gate there."""
-    if on_pooled_thread():
-        return work()
-    with wait_gate:
-        try:
-            return work()
-        finally:
-            release_connection()
-
-
-def _first_claim(signed: Signed, lease_seconds: int | None) -> tuple[UUID, Claimed | None]:
+def _first_claim(
+    request: HttpRequest, signed: Signed, lease_seconds: int | None
+) -> tuple[UUID, Claimed | None]:
     """The waiting claim's admission and first claim, in one statement."""
-    community_id, claimed = _gated(
-        lambda: services.claim_admitted(request_event(signed), lease_seconds=lease_seconds)
-    )
+    with waiting_work(request):
+        community_id, claimed = services.claim_admitted(
+            request_event(signed), lease_seconds=lease_seconds
+        )
     services.prune_replay_guard_now_and_then()
     return community_id, claimed
 
 
 @dataclass(slots=True)
 class _WaitingClaim:
-    """A waiting claim past its admission: who waits, until when, and its waiter."""
+    """A waiting claim past its admission: who waits, until when, its request and
+    its waiter."""
 
+    request: HttpRequest
     community_id: UUID
     pubkey: bytes
     lease_seconds: int | None
@@ -409,15 +400,16 @@ class _WaitingClaim:
                 return None
             hub.registering(self.community_id, self.pubkey)
             try:
-                # The hub's session, not this request's: the request's connection is
-                # released while it waits, the hub's listens for the wake-up.
+                # The hub's session, not this request's: the request's connection may
+                # be released while it waits, the hub's listens for the wake-up.
                 services.register_idle(self.community_id, [self.pubkey], session=session)
             except BaseException:
                 hub.forget_registration(self.community_id, self.pubkey)
                 raise
             return claim()
 
-        claimed = _gated(work)
+        with waiting_work(self.request):
+            claimed = work()
         if claimed is not None:
             self.forget()
         return claimed  # type: ignore[return-value]
@@ -441,7 +433,7 @@ def _claim_waiting(request: HttpRequest, signed: Signed, payload: schema.ClaimIn
     thread again only for the claim after a wake-up. Where no handler would resume a
     parked answer (Django's own path, WSGI), the wait runs here to its end."""
     seconds = payload.lease_seconds
-    community_id, claimed = _first_claim(signed, seconds)
+    community_id, claimed = _first_claim(request, signed, seconds)
     if claimed is not None:
         return _answer(request, _claimed(*claimed, claimed.message))
     if hub.waiting >= app_settings.API_MAX_WAITERS:
@@ -450,6 +442,7 @@ def _claim_waiting(request: HttpRequest, signed: Signed, payload: schema.ClaimIn
     if loop is None:
         return async_to_sync(_wait_inline)(request, community_id, signed.pubkey, payload)
     waiting = _WaitingClaim(
+        request,
         community_id,
         signed.pubkey,
         seconds,
@@ -472,6 +465,7 @@ async def _wait_inline(
     """The waiting claim where nothing resumes a parked answer: its look after the
     registration and its wait, on an event loop of asgiref's."""
     waiting = _WaitingClaim(
+        request,
         community_id,
         pubkey,
         payload.lease_seconds,
@@ -768,7 +762,7 @@ def get(request: HttpRequest, delivery_id: schema.Uuid):
     return Status(200, wire.delivery_document(record, message=message))
 
 
-def _prepare_wait(caller: Caller) -> UUID | None:
+def _prepare_wait(request: HttpRequest, caller: Caller) -> UUID | None:
     """After the waiter is registered and, with wake-ups on, the listener LISTENs: the
     oldest pending delivery already there (committed before we listened), or None.
     Finding none while listening, the caller's target is registered as idle
@@ -779,44 +773,40 @@ def _prepare_wait(caller: Caller) -> UUID | None:
     listening = app_settings.NOTIFY is True and hub.ensure_listening()
     if not listening:
         hub.ensure_sweeping()
-    pending = _pending_delivery(caller)
+    pending = _pending_delivery(request, caller)
     if pending is None and listening:
-        pending = _pending_delivery(caller, register_idle=True)
+        pending = _pending_delivery(request, caller, register_idle=True)
     return pending
 
 
-def _pending_delivery(caller: Caller, *, register_idle: bool = False) -> UUID | None:
+def _pending_delivery(
+    request: HttpRequest, caller: Caller, *, register_idle: bool = False
+) -> UUID | None:
     """The caller's oldest claimable delivery (pending and not backing off after a
     retry), or None; with ``register_idle``, asked once the caller's target is
-    registered as idle. The request's connection is then released so the wait itself
-    holds none."""
-    with wait_gate:
-        try:
-            session = hub.session
-            if register_idle and session is not None:
-                # The hub's session, not this request's (released while it waits).
-                services.register_idle(caller.community_id, [caller.pubkey], session=session)
-            return (
-                WorkflowAgentDelivery.objects.claimable()
-                .for_target(caller.community_id, caller.pubkey)
-                .order_by("created_at", "id")
-                .values_list("id", flat=True)
-                .first()
-            )
-        finally:
-            release_connection()
+    registered as idle. Waiting work (``connection.waiting_work``): the wait itself
+    holds no connection of its own."""
+    with waiting_work(request):
+        session = hub.session
+        if register_idle and session is not None:
+            # The hub's session, not this request's (its own may be released meanwhile).
+            services.register_idle(caller.community_id, [caller.pubkey], session=session)
+        return (
+            WorkflowAgentDelivery.objects.claimable()
+            .for_target(caller.community_id, caller.pubkey)
+            .order_by("created_at", "id")
+            .values_list("id", flat=True)
+            .first()
+        )
 
 
 def _admit_waiting(request: HttpRequest) -> Caller:
-    """A waiting request's admission, through the wait gate, in autocommit (the wait
-    holds no transaction while it waits), the connection released after it."""
-    with wait_gate:
-        try:
-            caller = _caller(request)
-            services.prune_replay_guard_now_and_then()
-            return caller
-        finally:
-            release_connection()
+    """A waiting request's admission in autocommit (the wait holds no transaction
+    while it waits), as waiting work (``connection.waiting_work``)."""
+    with waiting_work(request):
+        caller = _caller(request)
+        services.prune_replay_guard_now_and_then()
+        return caller
 
 
 def _wake(caller: Caller, delivery_id: UUID) -> Status:
@@ -838,7 +828,7 @@ async def wait(
         return error(request, 503, "too_many_waiters", "this server has enough waiters; poll")
     waiter = hub.register(caller.community_id, caller.pubkey)
     try:
-        pending = await sync_to_async(_prepare_wait)(caller)
+        pending = await sync_to_async(_prepare_wait)(request, caller)
         if pending is not None:
             return _wake(caller, pending)
         delivery_id = await _until_woken(waiter.future, timeout)
