@@ -4,17 +4,7 @@
 
 from __future__ import annotations
 
-import warnings
-
+from .deprecation import moved_names
 from .services import roster as _current
 
-
-def __getattr__(name: str) -> object:
-    if name in _current.__all__:
-        warnings.warn(
-            f"{__name__}.{name} is deprecated; use workflow_delivery.services.{name}",
-            DeprecationWarning,
-            stacklevel=2,
-        )
-        return getattr(_current, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = moved_names(__name__, _current)
