@@ -1,12 +1,13 @@
 """Profile the client side of the claim → finish loop in one process (cProfile), beside
 the hand-written psycopg loop of the benchmarks, on a private database.
 
-    .venv/bin/python bench/profile_cycle.py --cycles 2000 --top 25
+    .venv/bin/python bench/profile_cycle.py --cycles 2000 --top 25 [--chain]
 
-Prints the client CPU per cycle of both loops, the CPU their PostgreSQL backends
-spent per cycle (read from /proc, so the server must run on this machine), and the
-service loop's hottest functions; where the service spends more than the baseline
-is what a change to that side can win.
+Prints the client CPU per cycle of both loops (with ``--chain`` also the one-statement
+loops, ``finish_and_claim_next`` and the hand-written settle-and-claim, per delivery),
+the CPU their PostgreSQL backends spent per cycle (read from /proc, so the server must
+run on this machine), and the service loop's hottest functions; where the service
+spends more than the baseline is what a change to that side can win.
 """
 
 from __future__ import annotations
@@ -22,7 +23,12 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench import common
-from bench.workers import BASELINE_CLAIM, BASELINE_FINISH, LEASE_SECONDS
+from bench.workers import (
+    BASELINE_CLAIM,
+    BASELINE_FINISH,
+    BASELINE_FINISH_AND_CLAIM,
+    LEASE_SECONDS,
+)
 
 
 def _arguments(argv: list[str] | None) -> argparse.Namespace:
@@ -30,6 +36,9 @@ def _arguments(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--cycles", type=int, default=2000, help="cycles per loop")
     parser.add_argument("--top", type=int, default=25, help="functions to list")
     parser.add_argument("--batch", type=int, default=0, help="also profile batches of N")
+    parser.add_argument(
+        "--chain", action="store_true", help="also the one-statement settle-and-claim loops"
+    )
     args = parser.parse_args(argv)
     if args.cycles < 1 or args.top < 1 or args.batch < 0:
         parser.error("--cycles and --top must be positive, --batch at least 0")
@@ -46,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
             tenant = common.create_tenant(conn, "profile")
             # Turns of 100 cycles claim targets 0-35 twice and 36-63 once (n % 64):
             # twice the even share, so no target runs dry.
-            rows = 2 * (3 + 2 * args.batch) * (args.cycles + 100) + 1000
+            rows = 2 * (3 + 2 * args.batch + 2 * args.chain) * (args.cycles + 100) + 1000
             common.seed_deliveries(conn, tenant, rows, progress=False)
             common.vacuum(conn)
         community = tenant.community_id
@@ -91,6 +100,43 @@ def main(argv: list[str] | None = None) -> int:
                 services.finish_deliveries([(lease, Outcome.FINISHED) for lease, _ in claimed])
 
             loops[f"batch of {args.batch}, per delivery"] = batch
+        # Each loop's ratios are against the hand-written loop of its kind.
+        against = dict.fromkeys(loops, "baseline")
+        if args.chain:
+            held: dict[str, object] = {}
+
+            def chain_service(n: int) -> None:
+                lease = held.get("service")
+                if lease is None:
+                    lease, _ = services.claim_delivery(
+                        community, common.target_key(n), lease_seconds=LEASE_SECONDS
+                    )
+                answer = services.finish_and_claim_next(
+                    lease,
+                    Outcome.FINISHED,
+                    target_pubkey=common.target_key(n + 1),
+                    lease_seconds=LEASE_SECONDS,
+                )
+                held["service"] = answer.next[0] if answer.next else None
+
+            def chain_baseline(n: int) -> None:
+                current = held.get("baseline")
+                if current is None:
+                    target = common.target_key(n)
+                    cursor.execute(BASELINE_CLAIM, [community, target, LEASE_SECONDS], prepare=True)
+                    row = cursor.fetchone()
+                    current = (row[0], target, row[14])
+                following = common.target_key(n + 1)
+                arguments = [community, *current, community, following, LEASE_SECONDS]
+                cursor.execute(BASELINE_FINISH_AND_CLAIM, arguments, prepare=True)
+                row = cursor.fetchone()
+                held["baseline"] = None if row[1] is None else (row[1], following, row[15])
+
+            hand, ours = "one statement, hand-written", "one statement, finish_and_claim_next"
+            loops |= {hand: chain_baseline, ours: chain_service}
+            backends |= {hand: backends["baseline"], ours: backends["service"]}
+            server_seconds |= {hand: 0.0, ours: 0.0}
+            against |= {hand: hand, ours: hand}
         for loop in loops.values():  # warm: connections, prepared statements, caches
             cpu_per_cycle(loop, 50)
         # Short turns, many rounds, median: load from elsewhere on the machine then
@@ -107,14 +153,19 @@ def main(argv: list[str] | None = None) -> int:
                 samples[name].append(per / args.batch if name.startswith("batch") else per)
         medians = {name: statistics.median(values) for name, values in samples.items()}
         for name, value in medians.items():
-            ratio = value / medians["baseline"]
-            print(f"{name}: {value * 1e6:.0f} µs client CPU per cycle ({ratio:.2f} x baseline)")
+            ratio = value / medians[against[name]]
+            print(
+                f"{name}: {value * 1e6:.0f} µs client CPU per cycle ({ratio:.2f} x {against[name]})"
+            )
         # The kernel counts a process's CPU in clock ticks: summed over every round,
         # not a median of rounds too short to tick.
         server = {name: seconds / (rounds * chunk) for name, seconds in server_seconds.items()}
         for name, value in server.items():
-            ratio = value / server["baseline"] if server["baseline"] else float("nan")
-            print(f"{name}: {value * 1e6:.0f} µs server CPU per cycle ({ratio:.2f} x baseline)")
+            base = server[against[name]]
+            ratio = value / base if base else float("nan")
+            print(
+                f"{name}: {value * 1e6:.0f} µs server CPU per cycle ({ratio:.2f} x {against[name]})"
+            )
         profiler = cProfile.Profile(time.process_time)  # CPU, not time spent waiting
         profiler.enable()
         cpu_per_cycle(service, args.cycles)
