@@ -178,10 +178,16 @@ def pg14(session: nox.Session) -> None:
         found = subprocess.run(version, capture_output=True, text=True, check=True).stdout
         if not found.startswith("14."):
             session.error(f"the scratch server is PostgreSQL {found.strip()}, not 14")
-        # The chaos tests start a server of their own (18), never this one: with this
-        # cell's Python, Django and driver they are scripts/test's already.
-        _loudly(session, "PostgreSQL 14 cell: deselects the tests marked embedded_server.")
-        _pytest(session, "-m", "not embedded_server", DATABASE_URL=url)
+        # What runs SQL: the Django tests and the agent API's. The ACP runtime, harness
+        # and documentation tests drive processes and files over the same statements,
+        # and run whole on PostgreSQL 15 (scripts/test) and 18; the chaos tests start a
+        # server of their own (18), never this one.
+        tests = [*DJANGO_TESTS, "tests/api"]
+        _loudly(
+            session,
+            f"PostgreSQL 14 cell: {', '.join(tests)} only, less the tests marked embedded_server.",
+        )
+        _pytest(session, *tests, "-m", "not embedded_server", DATABASE_URL=url)
     finally:
         session.run(script, "stop", folder, external=True)
 
