@@ -500,8 +500,11 @@ def test_a_large_step_runs_the_fence_once_per_statement_and_the_timeline_never()
         created = services.commit_deliveries(
             step.community.id, step.created_at, step.new_deliveries()
         )
+        # PostgreSQL 14 may list a function this backend called in an earlier
+        # transaction with 0 calls in this one: only the calls made here count.
         cursor.execute(
-            "SELECT funcname, calls FROM pg_stat_xact_user_functions WHERE funcname = ANY(%s)",
+            "SELECT funcname, calls FROM pg_stat_xact_user_functions"
+            " WHERE funcname = ANY(%s) AND calls > 0",
             [PER_STATEMENT + NOT_FOR_INSERTS],
         )
         calls = dict(cursor.fetchall())
