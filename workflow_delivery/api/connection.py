@@ -1,6 +1,6 @@
 """A request's database connection: the health check made before a request's first
 statement, and the connection of a waiting request, released while it waits and
-bounded while it works (the wait gate)."""
+bounded while it works (the wait gate) unless it outlives the request anyway."""
 
 from __future__ import annotations
 
