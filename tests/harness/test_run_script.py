@@ -38,8 +38,17 @@ def _alive(pid: int) -> bool:
 
 
 def _children(pid: int) -> list[int]:
-    listed = subprocess.run(["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True)
-    return [int(line) for line in listed.stdout.split()]
+    """The processes whose parent is ``pid`` (from ``/proc``: proc(5)'s fourth field of
+    ``stat``, counted after the command name)."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:  # the process ended meanwhile
+            continue
+        if int(fields[1]) == pid:
+            found.append(int(stat.parent.name))
+    return found
 
 
 @pytest.fixture
